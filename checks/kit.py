@@ -1,0 +1,154 @@
+"""What every check file uses: loading the graded module, seeds, tolerances, comparisons that explain.
+
+Conventions
+- Decorate each check with `@point("…")`: the 验收要点 it grades, exactly as the card words it.
+- Load the exercise inside the check (`mod = impl("m03_sparse_moe")`), never at import time, so a
+  stub with a syntax error fails each check on its own instead of the whole file.
+- Shapes and seeds are random on every run (a hard-coded answer fails); the seed is printed in every
+  failure message and `COURSE_SEED=<n>` replays it.
+- Compare with `assert_close`, giving `looks_like=[(wrong_tensor, "易错点 …"), ...]`: when the
+  learner's output matches one of the classic wrong answers, the message names that mistake.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import types
+
+import pytest
+import torch
+
+from course import select
+
+# one tolerance table per dtype (used unless a check says otherwise)
+TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float64: dict(atol=1e-10, rtol=1e-10),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+}
+
+
+def point(title: str):
+    return pytest.mark.point(title)
+
+
+def impl(module: str) -> types.ModuleType:
+    return select.load(module)
+
+
+def new_seed() -> int:
+    env = os.environ.get("COURSE_SEED")
+    return int(env) if env else random.SystemRandom().randrange(2**31)
+
+
+class Rand:
+    """A seeded source of random shapes and tensors; `str(r)` is used in failure messages."""
+
+    def __init__(self, seed: int | None = None):
+        self.seed = new_seed() if seed is None else seed
+        self.py = random.Random(self.seed)
+        self.gen = torch.Generator().manual_seed(self.seed)
+
+    def int(self, lo: int, hi: int) -> int:
+        return self.py.randint(lo, hi)
+
+    def choice(self, options):
+        return self.py.choice(list(options))
+
+    def randn(self, *shape, scale: float = 1.0, dtype=torch.float32) -> torch.Tensor:
+        return (torch.randn(*shape, generator=self.gen) * scale).to(dtype)
+
+    def randint(self, lo: int, hi: int, shape) -> torch.Tensor:
+        return torch.randint(lo, hi, tuple(shape), generator=self.gen)
+
+    def init_(self, module: torch.nn.Module, std: float = 0.2, mean: float = 0.0) -> torch.nn.Module:
+        """Randomise every parameter (HF leaves MoE experts as torch.empty and norms at 1 or 0)."""
+        with torch.no_grad():
+            for p in module.parameters():
+                p.copy_(torch.randn(p.shape, generator=self.gen) * std + mean)
+        return module
+
+    def __str__(self) -> str:
+        return f"seed={self.seed}（COURSE_SEED={self.seed} 可复现）"
+
+
+def _max_err(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, tuple]:
+    diff = (actual.double() - expected.double()).abs()
+    diff = torch.nan_to_num(diff, nan=float("inf"))
+    flat = int(diff.argmax())
+    idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape)) if diff.dim() else ()
+    return float(diff.max()) if diff.numel() else 0.0, idx
+
+
+def close(actual, expected, atol: float, rtol: float) -> bool:
+    if not isinstance(actual, torch.Tensor) or actual.shape != expected.shape:
+        return False
+    return torch.allclose(actual.double(), expected.double(), atol=atol, rtol=rtol)
+
+
+def assert_close(actual, expected: torch.Tensor, *, what: str, rand: Rand | None = None,
+                 atol: float | None = None, rtol: float | None = None, looks_like=()) -> None:
+    """Shape, then values; on a mismatch name the worst element and any classic mistake it matches."""
+    tol = TOL.get(expected.dtype, TOL[torch.float32])
+    atol = tol["atol"] if atol is None else atol
+    rtol = tol["rtol"] if rtol is None else rtol
+    seed = f"；{rand}" if rand is not None else ""
+    if not isinstance(actual, torch.Tensor):
+        raise AssertionError(f"{what}：应返回 torch.Tensor，得到 {type(actual).__name__}{seed}")
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{what}：形状应为 {list(expected.shape)}，得到 {list(actual.shape)}{seed}")
+    if close(actual, expected, atol, rtol):
+        return
+    err, idx = _max_err(actual, expected)
+    msg = (f"{what}：与参考不一致，最大误差 {err:.3g}，位置 {list(idx)}"
+           f"（得到 {float(actual[idx]):.6g}，期望 {float(expected[idx]):.6g}；atol={atol:g}, rtol={rtol:g}）{seed}")
+    for wrong, mistake in looks_like:
+        if wrong is not None and close(actual, wrong, max(atol, 1e-5), max(rtol, 1e-5)):
+            msg += f"\n  看起来像易错点：{mistake}"
+            break
+    raise AssertionError(msg)
+
+
+def assert_equal(actual, expected: torch.Tensor, *, what: str, rand: Rand | None = None, looks_like=()) -> None:
+    """Exact equality (integer ids, bit-exact casts)."""
+    seed = f"；{rand}" if rand is not None else ""
+    if not isinstance(actual, torch.Tensor):
+        raise AssertionError(f"{what}：应返回 torch.Tensor，得到 {type(actual).__name__}{seed}")
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{what}：形状应为 {list(expected.shape)}，得到 {list(actual.shape)}{seed}")
+    if torch.equal(actual.to(expected.dtype), expected):
+        return
+    bad = (actual.to(expected.dtype) != expected).nonzero()
+    first = tuple(int(i) for i in bad[0])
+    msg = (f"{what}：有 {len(bad)} 个元素不同，第一个在 {list(first)}"
+           f"（得到 {actual[first].item()}，期望 {expected[first].item()}）{seed}")
+    for wrong, mistake in looks_like:
+        if wrong is not None and wrong.shape == actual.shape and torch.equal(actual.to(wrong.dtype), wrong):
+            msg += f"\n  看起来像易错点：{mistake}"
+            break
+    raise AssertionError(msg)
+
+
+def assert_dtype(actual: torch.Tensor, dtype: torch.dtype, *, what: str, mistake: str = "") -> None:
+    if actual.dtype != dtype:
+        hint = f"\n  看起来像易错点：{mistake}" if mistake else ""
+        raise AssertionError(f"{what}：dtype 应为 {dtype}，得到 {actual.dtype}{hint}")
+
+
+@contextlib.contextmanager
+def explain_crash(patterns: dict[str, str]):
+    """Turn a crash whose text contains a known fragment into a failure naming the mistake.
+
+    with explain_crash({"cannot be multiplied": "gate/up 投影少了转置"}): ...
+    """
+    try:
+        yield
+    except (RuntimeError, IndexError, AttributeError, TypeError) as exc:
+        text = str(exc)
+        for fragment, mistake in patterns.items():
+            if fragment in text:
+                raise AssertionError(f"运行出错：{type(exc).__name__}: {text}\n  看起来像易错点：{mistake}") from exc
+        raise
