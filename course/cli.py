@@ -27,6 +27,7 @@ from .grade import Grade, run_checks
 from .select import ROOT
 
 console = Console(highlight=False)
+say = lambda *a, **k: console.print(*a, soft_wrap=True, **k)  # noqa: E731  plain lines: never cropped
 
 STATUS_LABEL = {
     "passed": "[green]✓ 通过[/]",
@@ -50,10 +51,10 @@ def _exercise(exercise_id: str) -> registry.Exercise:
     try:
         ex = registry.get(exercise_id)
     except KeyError as exc:
-        console.print(f"[red]{exc.args[0]}[/]")
+        say(f"[red]{exc.args[0]}[/]")
         raise SystemExit(2)
     if not ex.written:
-        console.print(f"[yellow]{ex.id} 还没有写好（即将推出）。运行 ./check.sh 查看可做的练习。[/]")
+        say(f"[yellow]{ex.id} 还没有写好（即将推出）。运行 ./check.sh 查看可做的练习。[/]")
         raise SystemExit(2)
     return ex
 
@@ -61,7 +62,7 @@ def _exercise(exercise_id: str) -> registry.Exercise:
 def overview() -> int:
     done = state.passed_ids(registry.CATALOGUE)
     for track, name in registry.TRACKS.items():
-        console.print(f"\n[bold]Track {track} · {name}[/]")
+        say(f"\n[bold]Track {track} · {name}[/]")
         for ex in (e for e in registry.CATALOGUE if e.track == track):
             if not ex.written:
                 label = STATUS_LABEL["coming"]
@@ -69,37 +70,37 @@ def overview() -> int:
                 label = STATUS_LABEL["gpu"]
             else:
                 label = STATUS_LABEL[state.status_of(ex.id, ex.stub)]
-            console.print(f"  {ex.id}  {ex.title:<52} {label}")
+            say(f"  {ex.id}  {ex.title:<52} {label}")
     total = len(registry.written())
-    console.print(f"\n已通过 {len(done)}/{total} 个已发布的练习（目录共 {len(registry.CATALOGUE)} 个）。")
+    say(f"\n已通过 {len(done)}/{total} 个已发布的练习（目录共 {len(registry.CATALOGUE)} 个）。")
     nxt = registry.next_after(None, done)
     if nxt:
-        console.print(f"下一个练习：[bold]{nxt.id}[/] {nxt.title}\n"
+        say(f"下一个练习：[bold]{nxt.id}[/] {nxt.title}\n"
                       f"  读卡片：./check.sh show {nxt.id}    实现：{nxt.stub.relative_to(ROOT)}    "
                       f"验收：./check.sh {nxt.id}")
     else:
-        console.print("所有已发布的练习都通过了。")
+        say("所有已发布的练习都通过了。")
     return 0
 
 
 def _print_grade(grade: Grade, source: str) -> None:
     ex = grade.exercise
-    console.print(f"[bold]{ex.id} · {ex.title}[/]  [dim]({source}, {grade.seconds:.1f} s)[/]")
+    say(f"[bold]{ex.id} · {ex.title}[/]  [dim]({source}, {grade.seconds:.1f} s)[/]")
     for r in grade.results:
-        console.print(f"  {RESULT_LABEL.get(r['status'], r['status'])} {r['point']}")
+        say(f"  {RESULT_LABEL.get(r['status'], r['status'])} {r['point']}")
     if grade.crash:
-        console.print(f"[red]{grade.crash}[/]")
+        say(f"[red]{grade.crash}[/]")
         return
     failing = [r for r in grade.results if r["status"] in ("failed", "error", "timeout")]
     if failing:
         r = failing[0]
-        console.print(f"\n[bold red]第一个失败的检查：{r['point']}[/]  [dim]({r['name']})[/]")
-        console.print(r["message"], markup=False)
+        say(f"\n[bold red]第一个失败的检查：{r['point']}[/]  [dim]({r['name']})[/]")
+        say(r["message"], markup=False)
         if r.get("where"):
-            console.print(f"  位置：{r['where']}", markup=False)
-        console.print(f"  提示：./check.sh hint {ex.id} --level 1    卡片：./check.sh show {ex.id}")
+            say(f"  位置：{r['where']}", markup=False)
+        say(f"  提示：./check.sh hint {ex.id} --level 1    卡片：./check.sh show {ex.id}")
     elif grade.all_todo:
-        console.print(f"\n还没有实现：打开 {ex.stub.relative_to(ROOT)}，按卡片 lessons/{ex.card.name} 完成 "
+        say(f"\n还没有实现：打开 {ex.stub.relative_to(ROOT)}，按卡片 lessons/{ex.card.name} 完成 "
                       f"NotImplementedError 处的函数。")
 
 
@@ -115,12 +116,12 @@ def grade_one(exercise_id: str, solutions: bool) -> int:
     if grade.passed:
         done = state.passed_ids(registry.CATALOGUE) | {ex.id}
         nxt = registry.next_after(ex.id, done)
-        console.print(f"\n[green bold]全部 {total} 项通过。[/]")
+        say(f"\n[green bold]全部 {total} 项通过。[/]")
         if not solutions:
-            console.print(f"参考解：{ex.reference.relative_to(ROOT)}（讲解见书 附录 {ex.solution_ref}）。"
+            say(f"参考解：{ex.reference.relative_to(ROOT)}（讲解见书 附录 {ex.solution_ref}）。"
                           f"下一个练习：{nxt.id + ' ' + nxt.title if nxt else '没有了，全部完成！'}")
         return 0
-    console.print(f"\n结果：{n}/{total} 项通过。")
+    say(f"\n结果：{n}/{total} 项通过。")
     return 1
 
 
@@ -130,7 +131,7 @@ def grade_all(solutions: bool) -> int:
         if ex.needs_gpu:
             continue
         code |= grade_one(ex.id, solutions)
-        console.print()
+        say()
     return code
 
 
@@ -139,7 +140,7 @@ def hint(exercise_id: str, level: int) -> int:
     try:
         console.print(Markdown(cards.hint(ex, level)))
     except KeyError as exc:
-        console.print(f"[red]{exc.args[0]}[/]")
+        say(f"[red]{exc.args[0]}[/]")
         return 2
     return 0
 
@@ -153,7 +154,7 @@ def show(exercise_id: str) -> int:
 def watch(exercise_id: str, solutions: bool, interval: float = 1.0) -> int:
     ex = _exercise(exercise_id)
     path = ex.reference if solutions else ex.stub
-    console.print(f"监视 {path.relative_to(ROOT)}，保存即重新评分（Ctrl-C 退出）")
+    say(f"监视 {path.relative_to(ROOT)}，保存即重新评分（Ctrl-C 退出）")
     last = None
     try:
         while True:
@@ -180,7 +181,7 @@ def reset(exercise_id: str) -> int:
     ex = _exercise(exercise_id)
     original = _pristine_stub(ex)
     if original is None:
-        console.print(f"[red]找不到 {ex.stub.name} 的原始版本（需要 git 仓库）。[/]")
+        say(f"[red]找不到 {ex.stub.name} 的原始版本（需要 git 仓库）。[/]")
         return 1
     backup_dir = ROOT / "mine" / ".backup"
     backup_dir.mkdir(exist_ok=True)
@@ -188,7 +189,7 @@ def reset(exercise_id: str) -> int:
     if ex.stub.exists():
         shutil.copy2(ex.stub, backup)
     ex.stub.write_text(original, encoding="utf-8")
-    console.print(f"已恢复 {ex.stub.relative_to(ROOT)} 为原始 stub；你的版本保存在 {backup.relative_to(ROOT)}")
+    say(f"已恢复 {ex.stub.relative_to(ROOT)} 为原始 stub；你的版本保存在 {backup.relative_to(ROOT)}")
     return 0
 
 
@@ -198,7 +199,7 @@ def selftest(args: list[str]) -> int:
 
 
 def not_yet(command: str) -> int:
-    console.print(f"[yellow]./check.sh {command}：引擎总装尚未发布（Track E / G 完成后提供）。[/]")
+    say(f"[yellow]./check.sh {command}：引擎总装尚未发布（Track E / G 完成后提供）。[/]")
     return 2
 
 
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if command in ("hint", "show", "watch", "reset"):
         if not args.exercise:
-            console.print(f"[red]用法：./check.sh {command} <练习编号>，例如 ./check.sh {command} m03[/]")
+            say(f"[red]用法：./check.sh {command} <练习编号>，例如 ./check.sh {command} m03[/]")
             return 2
         if command == "hint":
             return hint(args.exercise, args.level)

@@ -42,7 +42,7 @@ class Grade:
 
 
 def run_checks(exercise: Exercise, selection: dict[str, str], extra_args: tuple[str, ...] = (),
-               env: dict[str, str] | None = None) -> Grade:
+               env: dict[str, str] | None = None, timeout_s: int | None = None) -> Grade:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="course-grade-") as tmp:
         report = Path(tmp) / "report.json"
@@ -56,7 +56,7 @@ def run_checks(exercise: Exercise, selection: dict[str, str], extra_args: tuple[
             "HF_HUB_OFFLINE": "1",
         })
         cmd = [sys.executable, "-m", "pytest", str(exercise.checks), "-q", "-p", "no:cacheprovider",
-               "--rootdir", str(select.ROOT), "-c", os.devnull, f"--timeout={CHECK_TIMEOUT_S}",
+               "--rootdir", str(select.ROOT), "-c", os.devnull, f"--timeout={timeout_s or CHECK_TIMEOUT_S}",
                "--no-header", "-rN", *extra_args]
         try:
             proc = subprocess.run(cmd, cwd=select.ROOT, env=child_env, capture_output=True, text=True,

@@ -1,0 +1,450 @@
+"""Checks for M05 · Gated DeltaNet (lessons/m05_gated_deltanet.md). Oracle: HF transformers 5.17.0 Qwen3.5.
+
+The pure-torch HF functions are taken through `__wrapped__` (HF gotcha G-13: they are swapped for GPU kernels
+when fla / causal_conv1d are installed). HF's delta-rule functions scale q by dk^-0.5 themselves, the
+exercise's take q already scaled, so the checks hand each its own convention.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers import DynamicCache, Qwen3_5TextConfig
+from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+from checks.kit import Rand, assert_close, assert_dtype, explain_crash, impl, point
+
+MODULE = "m05_gated_deltanet"
+transformers.utils.logging.set_verbosity_error()
+
+
+def _torch_version(fn):
+    return getattr(fn, "__wrapped__", fn)
+
+
+HF_CONV = _torch_version(hf.causal_conv1d_fn)             # x [B, C, T], weight [C, K]: left pad K-1
+HF_CONV_UPDATE = _torch_version(hf.causal_conv1d_update)  # state [B, C, K] (HF keeps K inputs, we keep K-1)
+HF_CHUNK = _torch_version(hf.torch_chunk_gated_delta_rule)
+HF_RECURRENT = _torch_version(hf.torch_recurrent_gated_delta_rule)
+HF_L2NORM = hf.l2norm
+
+# the 易错点 of the card, as the failure messages name them
+NOT_CAUSAL = "卷积不是因果的：只能在左边补 K-1 个输入（来自 conv_state，没有就是 0），输出 t 只看输入 t-K+1..t"
+STATE_OUTPUTS = "conv_state 存的是卷积输出而不是输入：应保存每条序列最后 K-1 个输入（conv 之前的值）"
+STATE_BOUNDARY = "conv_state 跨过了序列边界：短序列的最后 K-1 个输入要由它自己的初始 conv_state 补齐，不能取打包张量里前一条序列的 token"
+STATE_IGNORED = "prefill 忽略了传入的 conv_state：每条序列开头要接上它的初始 conv_state"
+STATE_STALE = ("单步更新后 conv_state 没变：要原地写回传入的张量（conv_state.copy_(...)），"
+               "并且丢掉的是最旧的输入、保留含新 token 在内的最后 K-1 个")
+G_SIGN = "g 的符号或 softplus 错了：g = -exp(A_log)·softplus(a + dt_bias) ≤ 0，exp(g) ∈ (0, 1] 是衰减；g > 0 会让状态每步放大"
+BETA_SIGMOID = "beta 忘了 sigmoid：beta = sigmoid(b) ∈ (0, 1)"
+L2_EPS = "l2norm 的 eps 放错了位置：应为 x·rsqrt(Σx² + 1e-6)（eps 在根号里，加在平方和上）"
+L2_MEAN = "l2norm 用了平方的均值（那是 RMSNorm）：应为平方和"
+Q_SCALE = "q 没有乘 dk^-0.5（在 l2norm 之后缩放）"
+REPEAT = "k/q 头扩到 v 头用了 repeat（整体平铺）而不是 repeat_interleave：v 头 j 应使用 k 头 j // (nv/nk)"
+DECAY_AFTER = "delta rule 更新顺序错了：应先衰减 S ← exp(g)·S，再读 kᵀS、写入；你在写入之后才衰减"
+READ_BEFORE_DECAY = "delta rule 更新顺序错了：kᵀS 要在衰减之后读（读的是 exp(g)·S），你读的是衰减前的 S"
+CHUNK_INIT = "分块形式忘了初始状态（initial_state）：第一块也要读入并衰减它"
+CHUNK_DECAY = "分块形式忘了块间衰减：进入下一块前，旧状态要乘 exp(本块 g 之和)"
+NORM_ONE_PLUS_W = "RMSNormGated 的权重用成了 (1+w)：门控 norm 是 w·norm(o)·silu(z)（weight 初始化为 1，不是 Gemma 式的 1+w）"
+NORM_PER_HEAD = "RMSNormGated 没有按 value head 拆开：o 和 z 都要 reshape 成 [N·nv, dv]，每个头单独算 RMS"
+
+CRASHES = {
+    "Missing key": "参数名必须与 HF Qwen3_5GatedDeltaNet 一致（in_proj_qkv / in_proj_z / in_proj_b / in_proj_a / conv1d / A_log / dt_bias / norm / out_proj）",
+    "Unexpected key": "参数名必须与 HF Qwen3_5GatedDeltaNet 一致，不要多出别的参数或 buffer",
+    "size mismatch": "参数形状与 HF 不一致（conv1d.weight 是 [C, 1, K]，norm.weight 是 [dv]）",
+    "must match the size of tensor": "形状对不上：检查 q/k/v 的 split 与 view、head 的扩展、RMSNormGated 是否按 value head 拆成 [-1, dv]",
+}
+
+
+# ---------------------------------------------------------------------------------------------- conv
+
+def _packed(r: Rand, lengths: list[int], channels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    return r.randn(sum(lengths), channels), cu
+
+
+def _hf_conv(x_seq: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None) -> torch.Tensor:
+    """HF's causal conv + silu of one sequence x_seq [T, C] after the K-1 inputs in state [C, K-1] -> [T, C]."""
+    if state is None:
+        return HF_CONV(x_seq.T[None], weight, None, activation="silu")[0].T
+    hf_state = F.pad(state, (1, 0))[None].clone()         # HF keeps K inputs; the oldest one is never used
+    return HF_CONV_UPDATE(x_seq.T[None], hf_state, weight, None, "silu")[0].T
+
+
+def _conv_not_causal(x: torch.Tensor, weight: torch.Tensor, bounds: list[int]) -> list[torch.Tensor]:
+    """The two classic non-causal convs, per sequence: 'same' padding, and left pad K-1 but keep the last T."""
+    same, shifted = torch.empty_like(x), torch.empty_like(x)
+    channels, width = weight.shape
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        seq = x[s:e].T[None]
+        centred = F.pad(seq, ((width - 1) // 2, width // 2))                       # padding="same"
+        same[s:e] = F.silu(F.conv1d(centred, weight[:, None], groups=channels))[0].T
+        shifted[s:e] = F.silu(F.conv1d(seq, weight[:, None], padding=width - 1, groups=channels))[0, :, -(e - s):].T
+    return [same, shifted]
+
+
+@point("因果卷积 prefill 与 HF 一致")
+def test_conv_prefill_matches_hf():
+    m = impl(MODULE)
+    r = Rand()
+    channels, width = r.int(3, 12), r.int(2, 4)
+    lengths = [r.int(1, 12) for _ in range(r.int(2, 4))] + [r.int(width, 16)]
+    x, cu = _packed(r, lengths, channels)
+    weight = r.randn(channels, width, scale=0.5)
+    bounds = cu.tolist()
+    out, _ = m.causal_conv1d(x, weight, cu)
+    ref = torch.cat([_hf_conv(x[s:e], weight, None) for s, e in zip(bounds[:-1], bounds[1:])])
+    assert_close(out, ref, what="causal_conv1d 输出（conv_state=None）", rand=r,
+                 looks_like=[(w, NOT_CAUSAL) for w in _conv_not_causal(x, weight, bounds)]
+                 + [(F.silu(F.conv1d(x.T[None], weight[:, None], padding=width - 1, groups=channels))[0, :, :x.shape[0]].T,
+                     "整个打包张量当成一条序列做卷积：每条序列要单独从 conv_state（或 0）开始，不能看到前一条序列的 token")])
+
+    state = r.randn(len(lengths), channels, width - 1)
+    out, _ = m.causal_conv1d(x, weight, cu, state.clone())
+    ref = torch.cat([_hf_conv(x[s:e], weight, state[i]) for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:]))])
+    assert_close(out, ref, what="causal_conv1d 输出（带初始 conv_state）", rand=r,
+                 looks_like=[(m.causal_conv1d(x, weight, cu)[0], STATE_IGNORED)])
+
+
+@point("conv_state 保存每条序列最后 K-1 个输入")
+def test_conv_state_keeps_last_inputs():
+    m = impl(MODULE)
+    r = Rand()
+    channels, width = r.int(3, 10), r.int(3, 4)
+    lengths = [r.int(width + 1, 12) for _ in range(r.int(2, 3))]
+    x, cu = _packed(r, lengths, channels)
+    weight = r.randn(channels, width, scale=0.5)
+    bounds = cu.tolist()
+    ends = bounds[1:]
+    out, state = m.causal_conv1d(x, weight, cu)
+    ref = torch.stack([x[e - (width - 1):e].T for e in ends])                      # [B, C, K-1]
+    pre = torch.stack([F.conv1d(F.pad(x[s:e].T, (width - 1, 0))[None], weight[:, None], groups=channels)[0, :, -(width - 1):]
+                       for s, e in zip(bounds[:-1], ends)])
+    assert_close(state, ref, what="causal_conv1d 返回的 conv_state（每条序列都不短于 K）", rand=r,
+                 looks_like=[(pre, STATE_OUTPUTS), (F.silu(pre), STATE_OUTPUTS)])
+
+    # short sequences after the first one: their last K-1 inputs reach into their own initial state
+    lengths = [r.int(width, 9)] + [r.int(1, width - 2) for _ in range(r.int(1, 2))] + [r.int(1, 9)]
+    x, cu = _packed(r, lengths, channels)
+    bounds = cu.tolist()
+    initial = r.randn(len(lengths), channels, width - 1)
+    _, state = m.causal_conv1d(x, weight, cu, initial.clone())
+    ref = torch.stack([torch.cat([initial[i], x[s:e].T], -1)[:, -(width - 1):]
+                       for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:]))])
+    crossing = torch.stack([F.pad(x[:e].T, (width - 1, 0))[:, -(width - 1):] for e in bounds[1:]])
+    ignored = torch.stack([F.pad(x[s:e].T, (width - 1, 0))[:, -(width - 1):] for s, e in zip(bounds[:-1], bounds[1:])])
+    assert_close(state, ref, what=f"causal_conv1d 返回的 conv_state（序列长度 {lengths}，K={width}，带初始状态）", rand=r,
+                 looks_like=[(crossing, STATE_BOUNDARY), (ignored, STATE_IGNORED)])
+
+
+@point("单步 conv 更新与完整卷积一致")
+def test_conv_update_matches_full_conv():
+    m = impl(MODULE)
+    r = Rand()
+    batch, channels, width, steps = r.int(1, 3), r.int(3, 10), r.int(2, 4), r.int(2, 6)
+    weight = r.randn(channels, width, scale=0.5)
+    initial = r.randn(batch, channels, width - 1)
+    x = r.randn(batch, steps, channels)
+    state = initial.clone()
+    outs = []
+    for t in range(steps):
+        outs.append(m.causal_conv1d_update(x[:, t].clone(), state, weight))
+    out = torch.stack(outs, 1)                                                       # [B, steps, C]
+    ref = torch.stack([_hf_conv(x[i], weight, initial[i]) for i in range(batch)])
+    assert_close(out, ref, what=f"逐步 causal_conv1d_update 的输出（{steps} 步）", rand=r)
+    full = torch.cat([initial, x.transpose(1, 2)], -1)                               # [B, C, K-1+steps]
+    assert_close(state, full[:, :, full.shape[-1] - (width - 1):],
+                 what="causal_conv1d_update 之后的 conv_state（应原地更新为最后 K-1 个输入）", rand=r,
+                 looks_like=[(initial, STATE_STALE)])
+
+
+# ---------------------------------------------------------------------------------------------- gates
+
+@point("门控 g、beta 与 HF 一致")
+def test_gates_match_hf():
+    m = impl(MODULE)
+    r = Rand()
+    tokens, heads = r.int(3, 20), r.int(1, 6)
+    a, b = r.randn(tokens, heads, scale=2.0), r.randn(tokens, heads, scale=2.0)
+    A_log, dt_bias = r.randn(heads, scale=0.5), r.randn(heads, scale=0.5)
+    g, beta = m.gdn_gates(a, b, A_log, dt_bias)
+    ref_g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)                  # as Qwen3_5GatedDeltaNet.forward
+    assert_dtype(g, torch.float32, what="gdn_gates 返回的 g")
+    assert_close(g, ref_g, what="g（log 衰减）", rand=r,
+                 looks_like=[(-ref_g, G_SIGN), (-A_log.exp() * (a + dt_bias), G_SIGN),
+                             (A_log.exp() * (a + dt_bias), G_SIGN), (ref_g.exp(), "返回了 exp(g)：g 应是 log 空间的衰减")])
+    if (g > 0).any():
+        raise AssertionError(f"g 出现了正数：{G_SIGN}；{r}")
+    assert_close(beta, b.sigmoid(), what="beta", rand=r, looks_like=[(b, BETA_SIGMOID)])
+
+    # bf16 model: g is computed in fp32, beta stays in the model dtype
+    g16, beta16 = m.gdn_gates(a.bfloat16(), b.bfloat16(), A_log.bfloat16(), dt_bias.bfloat16())
+    assert_dtype(g16, torch.float32, what="bf16 输入时的 g", mistake="g 要在 fp32 里算（A_log.float()、a.float()）")
+    assert_dtype(beta16, torch.bfloat16, what="bf16 输入时的 beta")
+    ref16 = -A_log.bfloat16().float().exp() * F.softplus(a.bfloat16().float() + dt_bias.bfloat16())
+    assert_close(g16, ref16, what="bf16 输入时的 g（fp32 计算）", rand=r, atol=1e-5, rtol=1e-5)
+
+
+@point("l2norm 与 HF 一致")
+def test_l2norm_matches_hf():
+    m = impl(MODULE)
+    r = Rand()
+    shape = (r.int(2, 6), r.int(1, 4), r.choice([8, 16, 32]))
+    for scale in (1.0, 1e-3):                          # tiny vectors make the place of eps visible
+        x = r.randn(*shape, scale=scale)
+        out = m.l2norm(x)
+        ref = HF_L2NORM(x, dim=-1, eps=1e-6)
+        norm = x.norm(dim=-1, keepdim=True)
+        assert_close(out, ref, what=f"l2norm（输入尺度 {scale:g}）", rand=r,
+                     looks_like=[(x / (norm + 1e-6), L2_EPS), (x / norm.clamp_min(1e-6), L2_EPS),
+                                 (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6), L2_MEAN)])
+    out = m.l2norm(x.bfloat16())
+    assert_dtype(out, torch.float32, what="bf16 输入时 l2norm 的输出", mistake="l2norm 要在 fp32 里算并返回 fp32")
+
+
+# ---------------------------------------------------------------------------------------------- delta rule
+
+def _rule_inputs(r: Rand, batch: int, steps: int, heads: int, dk: int, dv: int):
+    """Realistic inputs: unit q/k (q_hf unscaled, q scaled by dk^-0.5), decays in (0, 1), beta in (0, 1)."""
+    q_hf = HF_L2NORM(r.randn(batch, steps, heads, dk))
+    k = HF_L2NORM(r.randn(batch, steps, heads, dk))
+    v = r.randn(batch, steps, heads, dv)
+    g = -r.randn(heads, scale=0.5).exp() * F.softplus(r.randn(batch, steps, heads) - 1.0)
+    beta = r.randn(batch, steps, heads).sigmoid()
+    state = r.randn(batch, heads, dk, dv, scale=0.5)
+    return q_hf, q_hf * dk ** -0.5, k, v, g, beta, state
+
+
+def _delta_loop(q, k, v, g, beta, state, *, mistake: str = "", chunk: int = 0):
+    """The rule token by token in the check's own words (q already scaled), with one classic mistake on.
+
+    mistake: "decay_after" | "read_before_decay" | "no_chunk_decay" (the state at a chunk boundary keeps the
+    old state undecayed, i.e. gains (1 - exp(sum of g over the chunk)) * state_at_chunk_start).
+    """
+    steps = k.shape[1]
+    out = torch.empty_like(v)
+    start, g_sum = state, 0.0
+    for t in range(steps):
+        decay = g[:, t].exp()[..., None, None]
+        if mistake == "read_before_decay":
+            pred = torch.einsum("bhk,bhkv->bhv", k[:, t], state)
+            state = state * decay
+        else:
+            if mistake != "decay_after":
+                state = state * decay
+            pred = torch.einsum("bhk,bhkv->bhv", k[:, t], state)
+        u = beta[:, t, :, None] * (v[:, t] - pred)
+        state = state + k[:, t, :, :, None] * u[:, :, None, :]
+        if mistake == "decay_after":
+            state = state * decay
+        out[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], state)
+        if mistake == "no_chunk_decay":
+            g_sum = g_sum + g[:, t]
+            if t % chunk == chunk - 1 or t == steps - 1:
+                state = state + (1 - g_sum.exp())[..., None, None] * start
+                start, g_sum = state, 0.0
+    return out, state
+
+
+@point("递推 delta rule 与 HF 一致（初始状态进、最终状态出）")
+def test_recurrent_matches_hf():
+    m = impl(MODULE)
+    r = Rand()
+    batch, steps, heads, dk, dv = r.int(1, 2), r.int(5, 12), r.int(1, 3), r.choice([4, 8]), r.choice([4, 6])
+    q_hf, q, k, v, g, beta, state = _rule_inputs(r, batch, steps, heads, dk, dv)
+    ref_o, ref_s = HF_RECURRENT(q_hf, k, v, g, beta, initial_state=state.clone(), output_final_state=True)
+    o, s = m.recurrent_gated_delta_rule(q, k, v, g, beta, state.clone())
+    wrong = {name: _delta_loop(q, k, v, g, beta, state, mistake=name) for name in ("decay_after", "read_before_decay")}
+    no_init = HF_RECURRENT(q_hf, k, v, g, beta, initial_state=None, output_final_state=True)
+    assert_close(o, ref_o, what="recurrent_gated_delta_rule 的输出 o", rand=r,
+                 looks_like=[(wrong["decay_after"][0], DECAY_AFTER), (wrong["read_before_decay"][0], READ_BEFORE_DECAY),
+                             (no_init[0], "忘了用 initial_state（从零状态开始了）"),
+                             (HF_RECURRENT(q, k, v, g, beta, initial_state=state.clone())[0],
+                              "q 又乘了一次 dk^-0.5：传进来的 q 已经缩放过")])
+    assert_dtype(s, torch.float32, what="recurrent_gated_delta_rule 返回的状态")
+    assert_close(s, ref_s, what="recurrent_gated_delta_rule 的最终状态 [B, H, dk, dv]", rand=r,
+                 looks_like=[(wrong["decay_after"][1], DECAY_AFTER), (wrong["read_before_decay"][1], READ_BEFORE_DECAY),
+                             (ref_s.transpose(-1, -2), "状态的轴放反了：应为 [B, H, dk, dv]")])
+
+    o16, s16 = m.recurrent_gated_delta_rule(q, k, v.bfloat16(), g, beta, state.clone())
+    assert_dtype(o16, torch.bfloat16, what="v 为 bf16 时的输出 o", mistake="o 要转回 v.dtype")
+    assert_dtype(s16, torch.float32, what="v 为 bf16 时的状态", mistake="状态始终是 fp32")
+
+
+@point("分块 WY 形式与 HF、与递推一致（T 非 chunk 倍数、初始状态）")
+def test_chunk_matches_hf_and_recurrent():
+    m = impl(MODULE)
+    r = Rand()
+    heads, dk, dv = r.int(1, 2), r.choice([4, 8]), r.choice([4, 6])
+    for steps, chunk in ((r.int(70, 150), 64), (r.int(9, 40), r.choice([2, 4, 8]))):
+        if steps % chunk == 0:
+            steps += 1
+        q_hf, q, k, v, g, beta, state = _rule_inputs(r, r.int(1, 2), steps, heads, dk, dv)
+        ref_o, ref_s = HF_CHUNK(q_hf, k, v, g, beta, chunk_size=chunk, initial_state=state.clone(),
+                                output_final_state=True)
+        o, s = m.chunk_gated_delta_rule(q, k, v, g, beta, state.clone(), chunk_size=chunk)
+        no_init = HF_CHUNK(q_hf, k, v, g, beta, chunk_size=chunk, initial_state=None, output_final_state=True)
+        no_decay = _delta_loop(q, k, v, g, beta, state, mistake="no_chunk_decay", chunk=chunk)
+        what = f"chunk_gated_delta_rule（T={steps}，chunk_size={chunk}）"
+        assert_close(o, ref_o, what=f"{what} 的输出 o", rand=r,
+                     looks_like=[(no_init[0], CHUNK_INIT), (no_decay[0], CHUNK_DECAY)])
+        assert_dtype(s, torch.float32, what=f"{what} 返回的状态")
+        assert_close(s, ref_s, what=f"{what} 的最终状态", rand=r,
+                     looks_like=[(no_init[1], CHUNK_INIT), (no_decay[1], CHUNK_DECAY)])
+        rec_o, rec_s = m.recurrent_gated_delta_rule(q, k, v, g, beta, state.clone())
+        assert_close(o, rec_o, what=f"{what} 与 recurrent_gated_delta_rule 的输出", rand=r)
+        assert_close(s, rec_s, what=f"{what} 与 recurrent_gated_delta_rule 的最终状态", rand=r)
+
+
+# ---------------------------------------------------------------------------------------------- the layer
+
+def _hf_layer(r: Rand):
+    """A tiny Qwen3_5GatedDeltaNet with every parameter random (norm weight around 1), and its sizes."""
+    nk = r.int(2, 3)                                # repeat and repeat_interleave only differ with >= 2 key heads
+    size = dict(hidden_size=r.choice([16, 24, 32]), linear_num_key_heads=nk, linear_num_value_heads=nk * r.choice([2, 3]),
+                linear_key_head_dim=r.choice([4, 8]), linear_value_head_dim=r.choice([4, 8]), linear_conv_kernel_dim=4)
+    cfg = Qwen3_5TextConfig(num_hidden_layers=1, layer_types=["linear_attention"], rms_norm_eps=1e-6, **size)
+    layer = r.init_(hf.Qwen3_5GatedDeltaNet(cfg, layer_idx=0).eval())
+    with torch.no_grad():
+        layer.norm.weight.copy_(1.0 + r.randn(*layer.norm.weight.shape, scale=0.3))
+    return layer, cfg
+
+
+def _ours(m, hf_layer, cfg):
+    layer = m.GatedDeltaNet(cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+                            cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim,
+                            cfg.rms_norm_eps)
+    with explain_crash(CRASHES):
+        layer.load_state_dict(hf_layer.state_dict())
+    return layer.eval()
+
+
+def _hf_forward(hf_layer, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_layer(x[None])[0]
+
+
+def _hf_layer_like(hf_layer, x: torch.Tensor, *, q_scale=True, tile=False, norm="w") -> torch.Tensor:
+    """Qwen3_5GatedDeltaNet.forward on one sequence x [T, hidden], rebuilt from HF's pieces with one mistake on."""
+    L = hf_layer
+    steps, nk, nv, dk, dv = x.shape[0], L.num_k_heads, L.num_v_heads, L.head_k_dim, L.head_v_dim
+    with torch.no_grad():
+        xb = x[None]
+        mixed = HF_CONV(L.in_proj_qkv(xb).transpose(1, 2), L.conv1d.weight[:, 0], None, activation="silu").transpose(1, 2)
+        q, k, v = mixed.split([L.key_dim, L.key_dim, L.value_dim], dim=-1)
+        q, k, v = q.reshape(1, steps, nk, dk), k.reshape(1, steps, nk, dk), v.reshape(1, steps, nv, dv)
+        expand = (lambda t: t.repeat(1, 1, nv // nk, 1)) if tile else (lambda t: t.repeat_interleave(nv // nk, 2))
+        q, k = HF_L2NORM(expand(q)), HF_L2NORM(expand(k))
+        if not q_scale:
+            q = q * dk ** 0.5                      # undo the kernel's own dk^-0.5
+        g = -L.A_log.float().exp() * F.softplus(L.in_proj_a(xb).float() + L.dt_bias)
+        beta = L.in_proj_b(xb).sigmoid()
+        o, _ = HF_CHUNK(q, k, v, g, beta)
+        z, w = L.in_proj_z(xb), L.norm.weight
+        if norm == "flat":
+            o, z, w = o.reshape(steps, -1), z.reshape(steps, -1), w.repeat(nv)
+        else:
+            o, z = o.reshape(-1, dv), z.reshape(-1, dv)
+            w = 1 + w if norm == "1+w" else w
+        h = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + L.norm.variance_epsilon) * w * F.silu(z)
+        return L.out_proj(h.reshape(steps, -1))
+
+
+def _layer_mistakes(hf_layer, x: torch.Tensor, bounds: list[int]) -> list:
+    def per_seq(**kw):
+        return torch.cat([_hf_layer_like(hf_layer, x[s:e], **kw) for s, e in zip(bounds[:-1], bounds[1:])])
+    return [(per_seq(q_scale=False), Q_SCALE), (per_seq(tile=True), REPEAT),
+            (per_seq(norm="1+w"), NORM_ONE_PLUS_W), (per_seq(norm="flat"), NORM_PER_HEAD)]
+
+
+@point("GatedDeltaNet 层与 HF Qwen3_5GatedDeltaNet 一致（多条打包序列）")
+def test_layer_matches_hf():
+    m = impl(MODULE)
+    r = Rand()
+    hf_layer, cfg = _hf_layer(r)
+    ours = _ours(m, hf_layer, cfg)
+    lengths = [r.int(1, 3), r.int(4, 20), r.int(60, 72)]
+    r.py.shuffle(lengths)
+    x, cu = _packed(r, lengths, cfg.hidden_size)
+    bounds = cu.tolist()
+    with explain_crash(CRASHES), torch.no_grad():
+        out = ours(x, cu)
+    ref = torch.cat([_hf_forward(hf_layer, x[s:e]) for s, e in zip(bounds[:-1], bounds[1:])])
+    assert_close(out, ref, what=f"GatedDeltaNet 输出（序列长度 {lengths}）", rand=r,
+                 looks_like=_layer_mistakes(hf_layer, x, bounds))
+
+
+@point("prefill T-1 个 token 再 decode 1 个（携带 conv 与递推状态）等于完整前向")
+def test_prefill_then_decode_matches_full_forward():
+    m = impl(MODULE)
+    r = Rand()
+    hf_layer, cfg = _hf_layer(r)
+    ours = _ours(m, hf_layer, cfg)
+    batch = r.int(2, 3)
+    lengths = [r.int(3, 18) for _ in range(batch)]
+    x = [r.randn(n, cfg.hidden_size) for n in lengths]
+    cuts = [r.int(1, n - 2) for n in lengths]               # chunk 1: [0, cut), chunk 2: [cut, n-1), decode: n-1
+    conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    state = m.GDNState(conv=torch.zeros(batch, conv_dim, cfg.linear_conv_kernel_dim - 1),
+                       ssm=torch.zeros(batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim))
+    pieces = [[xi[:c] for xi, c in zip(x, cuts)], [xi[c:-1] for xi, c in zip(x, cuts)], [xi[-1:] for xi in x]]
+    outs = []
+    with explain_crash(CRASHES), torch.no_grad():
+        for step in pieces:
+            cu = torch.tensor([0] + [p.shape[0] for p in step]).cumsum(0).to(torch.int32)
+            outs.append(ours(torch.cat(step), cu, state).split([p.shape[0] for p in step]))
+    for i in range(batch):
+        ref = _hf_forward(hf_layer, x[i])
+        n, c = lengths[i], cuts[i]
+        for (lo, hi), got, name in (((0, c), outs[0][i], "第一段 prefill"), ((c, n - 1), outs[1][i], "第二段 prefill（接着上一段的状态）"),
+                                    ((n - 1, n), outs[2][i], "decode 的 1 个 token")):
+            assert_close(got, ref[lo:hi], what=f"序列 {i}（长度 {n}）{name} 的输出，与完整前向的 [{lo}:{hi}] 比", rand=r)
+        cache = DynamicCache(config=cfg)
+        with torch.no_grad():
+            hf_layer(x[i][None], cache_params=cache)
+        hf_conv, hf_ssm = cache.layers[0].conv_states[0][0], cache.layers[0].recurrent_states[0][0]
+        assert_close(state.conv[i], hf_conv[:, 1:], what=f"序列 {i} 最终的 conv_state（HF 缓存的最后 K-1 个输入）", rand=r)
+        assert_close(state.ssm[i], hf_ssm, what=f"序列 {i} 最终的递推状态 [nv, dk, dv]", rand=r)
+
+
+# ---------------------------------------------------------------------------------------------- the card
+
+@point("卡片例子：K=3 卷积与 1 头 delta rule 的逐步数值")
+def test_card_worked_example():
+    m = impl(MODULE)
+    weight = torch.tensor([[0.5, -1.0, 2.0]])
+    out, state = m.causal_conv1d(torch.tensor([[1.0], [2.0], [3.0]]), weight, torch.tensor([0, 3]))
+    assert_close(out[:, 0], torch.tensor([1.7616, 2.8577, 4.4506]), what="卡片卷积例子的输出", atol=1e-4, rtol=0)
+    assert_close(state[0, 0], torch.tensor([2.0, 3.0]), what="卡片卷积例子的 conv_state", atol=1e-6, rtol=0,
+                 looks_like=[(torch.tensor([2.8577, 4.4506]), STATE_OUTPUTS)])
+    step = m.causal_conv1d_update(torch.tensor([[4.0]]), state, weight)
+    assert_close(step[0], torch.tensor([5.9852]), what="卡片 decode 一步（x=4）的输出", atol=1e-4, rtol=0)
+    assert_close(state[0, 0], torch.tensor([3.0, 4.0]), what="卡片 decode 一步之后的 conv_state", atol=1e-6, rtol=0)
+
+    a = torch.tensor([[-math.log(9.0)], [0.0], [-math.log(4.0)]])
+    b = torch.tensor([[0.0], [math.log(4.0)], [0.0]])
+    g, beta = m.gdn_gates(a, b, torch.zeros(1), torch.zeros(1))
+    assert_close(g.exp()[:, 0], torch.tensor([0.9, 0.5, 0.8]), what="卡片例子的衰减 exp(g)", atol=1e-5, rtol=0,
+                 looks_like=[(torch.tensor([1 / 0.9, 2.0, 1.25]), G_SIGN)])
+    assert_close(beta[:, 0], torch.tensor([0.5, 0.8, 0.5]), what="卡片例子的 beta", atol=1e-5, rtol=0,
+                 looks_like=[(b[:, 0], BETA_SIGMOID)])
+
+    q = m.l2norm(torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])) * 2 ** -0.5
+    assert_close(q, torch.tensor([[0.7071, 0.0], [0.0, 0.7071], [0.5, 0.5]]), what="卡片例子 l2norm(q)·dk^-0.5",
+                 atol=1e-4, rtol=0)
+    k = torch.tensor([[1.0, 0.0], [0.6, 0.8], [1.0, 0.0]])
+    v = torch.tensor([[1.0, 2.0], [2.0, -1.0], [3.0, 0.0]])
+    args = (q[None, :, None], k[None, :, None], v[None, :, None], g[None], beta[None])   # B=1, T=3, H=1
+    ref_o = torch.tensor([[0.3536, 0.7071], [0.8372, -0.5883], [1.4512, -0.3576]])
+    ref_s = torch.tensor([[1.9552, -0.0496], [0.9472, -0.6656]])
+    o, s = m.recurrent_gated_delta_rule(*args)
+    assert_close(o[0, :, 0], ref_o, what="卡片例子递推形式的输出 o_1..o_3", atol=1e-4, rtol=0,
+                 looks_like=[(torch.tensor([[0.3182, 0.6364], [0.3915, -0.3485], [0.9495, -0.1810]]), DECAY_AFTER),
+                             (torch.tensor([[0.3536, 0.7071], [0.7693, -0.7241], [1.3451, -0.4498]]), READ_BEFORE_DECAY)])
+    assert_close(s[0, 0], ref_s, what="卡片例子递推形式的最终状态 S_3", atol=1e-4, rtol=0)
+    o, s = m.chunk_gated_delta_rule(*args, chunk_size=2)
+    assert_close(o[0, :, 0], ref_o, what="卡片例子分块形式（chunk_size=2）的输出", atol=1e-4, rtol=0)
+    assert_close(s[0, 0], ref_s, what="卡片例子分块形式（chunk_size=2）的最终状态", atol=1e-4, rtol=0)

@@ -1,0 +1,160 @@
+"""M04 · Attention: QK-norm GQA attention on packed variable-length sequences, and gated attention.
+
+A prefill batch is packed: the tokens of B sequences are concatenated into one [N, ...] tensor and
+cu_seqlens ([B+1], int32, prefix sums of the lengths) says where each sequence starts. Attention is
+causal inside each sequence and never crosses sequences. With a cached prefix a sequence has Lq new
+queries but Lk >= Lq keys; the mask is aligned bottom-right (flash-attn's convention):
+
+    query i of a sequence sees key j  <=>  j <= (Lk - Lq) + i
+    o = softmax(q k^T * D^-0.5 + mask) v          scores and softmax in fp32, output in q.dtype
+    GQA: kv head j serves query heads j*g .. j*g+g-1   (g = nH // nKV, repeat_interleave)
+
+Qwen3Attention (Qwen3 / Qwen3-MoE / Omni):
+    q, k, v = split(x W_qkv^T);  q = RMSNorm_D(q), k = RMSNorm_D(k)  (per head, BEFORE RoPE)
+    q, k = RoPE(q, k);  o = attn(q, k, v);  out = o_proj(o)
+GatedAttention (Qwen3-Next / Qwen3.5 full-attention layers):
+    q_proj rows are interleaved per head: [q_0 | gate_0 | q_1 | gate_1 | ...], each D wide
+    q/k norms are (1+w) GemmaRMSNorm, RoPE may be partial (rotary_dim = D/4), the scale stays D^-0.5
+    out = o_proj(attn(q, k, v) * sigmoid(gate))      the gate acts before o_proj
+
+Lesson: lessons/m04_attention.md (#4 · 书 §M.4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .m01_rmsnorm import GemmaRMSNorm, RMSNorm
+from .m02_rope import RotaryEmbedding
+
+
+@dataclass
+class AttentionContext:
+    """Per-step batch metadata (flash-attn keyword names). The engine's model runner fills it."""
+    cu_seqlens_q: torch.Tensor              # [B+1] int32: query rows of sequence b are cu_q[b]:cu_q[b+1]
+    cu_seqlens_k: torch.Tensor              # [B+1] int32: == cu_seqlens_q when there is no cached prefix
+    max_seqlen_q: int
+    max_seqlen_k: int
+    slot_mapping: torch.Tensor | None = None    # paged-KV fields, filled by the model runner (e04)
+    block_tables: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+    is_prefill: bool = True
+
+    @classmethod
+    def from_seqlens(cls, seqlens: list[int]) -> AttentionContext:
+        """Packed prefill without a cached prefix: [3, 5] -> cu_seqlens [0, 3, 8]."""
+        cu = torch.zeros(len(seqlens) + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(seqlens, dtype=torch.int32).cumsum(0)
+        longest = max(seqlens, default=0)
+        return cls(cu_seqlens_q=cu, cu_seqlens_k=cu.clone(), max_seqlen_q=longest, max_seqlen_k=longest)
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [Nq, nH, D], k/v [Nk, nKV, D], cu_seqlens_q/k [B+1] -> [Nq, nH, D] in q.dtype.
+
+    Causal inside each sequence, aligned bottom-right (query i of a sequence with Lq queries and Lk
+    keys sees keys j <= Lk - Lq + i), nothing across sequences; GQA (kv head j serves query heads
+    j*g .. j*g+g-1); scores and softmax in fp32. Loops over sequences, never over tokens.
+    """
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    group = num_heads // num_kv_heads
+    # GQA: each kv head is repeated in place, so query head h reads kv head h // group
+    k = k.repeat_interleave(group, dim=1)                       # [Nk, nH, D]
+    v = v.repeat_interleave(group, dim=1)                       # [Nk, nH, D]
+
+    out = torch.empty_like(q)
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(starts_q) - 1):
+        q0, q1, k0, k1 = starts_q[b], starts_q[b + 1], starts_k[b], starts_k[b + 1]
+        len_q, len_k = q1 - q0, k1 - k0
+        scores = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k[k0:k1].float()) * scale   # [nH, Lq, Lk]
+        # bottom-right causal: the last query sees every key; a cached prefix shifts the diagonal
+        visible = torch.ones(len_q, len_k, dtype=torch.bool, device=q.device).tril(len_k - len_q)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)                                               # fp32
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, v[k0:k1].float()).to(q.dtype)       # [Lq, nH, D]
+    return out
+
+
+class Attention(nn.Module):
+    """The attention backend (nano-vllm's layers/attention.Attention): packed q/k/v in, packed o out.
+
+    Here it is the torch reference that runs anywhere; the engine later gives it a paged KV cache
+    (k_cache / v_cache, filled through ctx.slot_mapping) or swaps in a Triton backend.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        self.k_cache = self.v_cache = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """q [N, nH, D], k/v [N, nKV, D] -> [N, nH, D]: varlen_attention over ctx's cu_seqlens."""
+        return varlen_attention(q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_k, self.scale)
+
+
+class Qwen3Attention(nn.Module):
+    """Qwen3 self-attention on a packed batch: qkv_proj -> per-head q/k RMSNorm -> RoPE -> GQA -> o_proj."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 rms_norm_eps: float, rotary: RotaryEmbedding):
+        """qkv_proj [(nH + 2 nKV) D, H] (rows = cat[q_proj, k_proj, v_proj]), o_proj [H, nH D],
+        q_norm / k_norm = RMSNorm(D), rotary, attn = Attention(nH, D, D^-0.5, nKV)."""
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.qkv_proj = nn.Linear(hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=False)
+        self.q_norm = RMSNorm(head_dim, rms_norm_eps)
+        self.k_norm = RMSNorm(head_dim, rms_norm_eps)
+        self.rotary = rotary
+        self.attn = Attention(num_heads, head_dim, head_dim ** -0.5, num_kv_heads)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """positions [N], hidden_states [N, H] (a packed batch described by ctx) -> [N, H]."""
+        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)              # [N, nH, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)           # [N, nKV, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)           # [N, nKV, D]
+        q, k = self.q_norm(q), self.k_norm(k)                      # per head over D, before RoPE
+        q, k = self.rotary(positions, q, k)
+        o = self.attn(q, k, v, ctx)                                # [N, nH, D]
+        return self.o_proj(o.flatten(1))                           # [N, nH*D] -> [N, H]
+
+
+class GatedAttention(nn.Module):
+    """Qwen3-Next / Qwen3.5 full attention: per-head [query | gate] q_proj, (1+w) q/k norms, sigmoid gate."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 rms_norm_eps: float, rotary: RotaryEmbedding):
+        """qkv_proj [(2 nH + 2 nKV) D, H] (rows = cat[q_proj (per head [q_h | gate_h]), k_proj, v_proj]),
+        o_proj [H, nH D], q_norm / k_norm = GemmaRMSNorm(D), rotary, attn = Attention(nH, D, D^-0.5, nKV)."""
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.qkv_proj = nn.Linear(hidden_size, 2 * self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=False)
+        self.q_norm = GemmaRMSNorm(head_dim, rms_norm_eps)         # zero-centred: x_hat * (1 + w)
+        self.k_norm = GemmaRMSNorm(head_dim, rms_norm_eps)
+        self.rotary = rotary
+        scale = head_dim ** -0.5                                   # full D, even when only rotary_dim rotates
+        self.attn = Attention(num_heads, head_dim, scale, num_kv_heads)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """positions [N] or [3, N], hidden_states [N, H] -> [N, H]."""
+        q_gate, k, v = self.qkv_proj(hidden_states).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, gate = q_gate.view(-1, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)   # [N, nH, D] each
+        k = k.view(-1, self.num_kv_heads, self.head_dim)           # [N, nKV, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)           # [N, nKV, D]
+        q, k = self.q_norm(q), self.k_norm(k)                      # (1+w) norms, before RoPE
+        q, k = self.rotary(positions, q, k)
+        o = self.attn(q, k, v, ctx)                                # [N, nH, D]
+        o = o * torch.sigmoid(gate)                                # output gate, per head and channel
+        return self.o_proj(o.flatten(1))                           # [N, nH*D] -> [N, H]

@@ -1,0 +1,88 @@
+"""The CLI as the learner types it: exit codes, hints, the card, progress, reset."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from course import select
+
+ROOT = select.ROOT
+
+
+def cli(*args, cwd=ROOT, env_extra=None):
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.run([sys.executable, "-m", "course", *args], cwd=cwd, capture_output=True, text=True, env=env)
+
+
+@pytest.fixture
+def state_dir(tmp_path):
+    return {"COURSE_STATE_DIR": str(tmp_path / "state")}
+
+
+def test_overview_lists_every_track_and_the_next_exercise(state_dir):
+    out = cli(env_extra=state_dir)
+    assert out.returncode == 0, out.stderr
+    for word in ("Track M", "Track E", "Track K", "Track G", "m03", "g01", "即将推出", "需要 GPU" if False else "下一个练习"):
+        assert word in out.stdout, word
+
+
+def test_unknown_exercise_exits_2_and_names_the_known_ones():
+    out = cli("m99")
+    assert out.returncode == 2 and "m03" in out.stdout
+
+
+def test_unwritten_exercise_exits_2():
+    out = cli("g01")
+    assert out.returncode == 2 and "即将推出" in out.stdout
+
+
+@pytest.mark.parametrize("level,fragment", [(1, "关键问题"), (2, "repeat_interleave"), (3, "形状追踪")])
+def test_hint_levels(level, fragment):
+    out = cli("hint", "m03", "--level", str(level))
+    assert out.returncode == 0 and fragment in out.stdout, out.stdout
+
+
+def test_hint_without_exercise_is_a_usage_error():
+    assert cli("hint").returncode == 2
+
+
+def test_show_renders_the_card():
+    out = cli("show", "m03")
+    assert out.returncode == 0
+    for section in ("题面速览", "易错点", "逐步图", "L1", "面试官追问"):
+        assert section in out.stdout, section
+
+
+def test_engine_commands_say_not_yet():
+    out = cli("run")
+    assert out.returncode == 2 and "尚未发布" in out.stdout
+
+
+def _copy_repo(tmp_path):
+    dst = tmp_path / "repo"
+    shutil.copytree(ROOT, dst, ignore=shutil.ignore_patterns(".venv", ".git", ".course", "__pycache__", ".dev"))
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
+                ["git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "x"]):
+        subprocess.run(cmd, cwd=dst, check=True)
+    return dst
+
+
+def test_passing_mine_is_recorded_and_reset_restores_the_stub(tmp_path, state_dir):
+    repo = _copy_repo(tmp_path)
+    stub = (repo / "mine" / "m03_sparse_moe.py").read_text()
+    shutil.copy(repo / "solutions" / "m03_sparse_moe.py", repo / "mine" / "m03_sparse_moe.py")
+    out = cli("m03", cwd=repo, env_extra=state_dir)
+    assert out.returncode == 0, out.stdout
+    assert "solutions/m03_sparse_moe.py" in out.stdout and "下一个练习" in out.stdout
+    overview = cli(cwd=repo, env_extra=state_dir)
+    assert "m03" in overview.stdout and "✓ 通过" in overview.stdout
+    out = cli("reset", "m03", cwd=repo, env_extra=state_dir)
+    assert out.returncode == 0, out.stdout
+    assert (repo / "mine" / "m03_sparse_moe.py").read_text() == stub
+    backups = list((repo / "mine" / ".backup").glob("m03_sparse_moe.*.py"))
+    assert len(backups) == 1 and "index_add_" in backups[0].read_text()
+    stub_out = cli("m03", cwd=repo, env_extra=state_dir)
+    assert stub_out.returncode == 1 and "未实现" in stub_out.stdout

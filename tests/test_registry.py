@@ -1,0 +1,76 @@
+"""The exercise registry: the catalogue of COURSE_DESIGN section 4, and the files of written exercises."""
+
+import re
+
+from course import cards, registry
+from checks.plants import plants_for
+
+DESIGN_IDS = ["m01", "m02", "m03", "m04", "m05", "m06", "m07", "e01", "e02", "e03", "e04", "e05",
+              "k01", "k02", "k03", "k04", "g01"]
+
+
+def test_catalogue_ids_are_the_design_ids_in_order():
+    assert [e.id for e in registry.CATALOGUE] == DESIGN_IDS
+    assert len({e.module for e in registry.CATALOGUE}) == len(DESIGN_IDS)
+
+
+def test_m03_is_exercise_three_with_hint_a3_and_walkthrough_c3():
+    m03 = registry.get("m03")
+    assert (m03.number, m03.hint_ref, m03.solution_ref, m03.book_section) == (3, "A-3", "C-3", "§M.3")
+
+
+def test_only_g01_needs_a_gpu():
+    assert [e.id for e in registry.CATALOGUE if e.needs_gpu] == ["g01"]
+
+
+def test_unknown_exercise_names_the_known_ones():
+    try:
+        registry.get("m99")
+    except KeyError as exc:
+        assert "m03" in exc.args[0]
+    else:
+        raise AssertionError("registry.get accepted an unknown id")
+
+
+def test_m03_is_written():
+    assert registry.get("m03").written
+
+
+def test_written_cards_have_every_section_and_header():
+    for ex in registry.written():
+        assert cards.missing_sections(ex) == [], ex.id
+        text = cards.text(ex)
+        assert text.startswith(f"# #{ex.number} · Track {ex.track}"), ex.id
+        meta = f"实现 mine/{ex.module}.py · 验收 ./check.sh {ex.id} · 提示 {ex.hint_ref} · 参考解 {ex.solution_ref}"
+        assert meta in text, f"{ex.id}: meta line must contain {meta!r}"
+        for level in (1, 2, 3):
+            assert cards.hint(ex, level).strip(), f"{ex.id}: empty L{level}"
+
+
+def _mistake_bullets(text: str) -> list[str]:
+    section = text.split("## 易错点", 1)[1].split("\n## ", 1)[0]
+    return [line for line in section.splitlines() if re.match(r"^\s*[-*] ", line)]
+
+
+def test_every_listed_mistake_has_a_plant():
+    for ex in registry.written():
+        bullets = _mistake_bullets(cards.text(ex))
+        plants = plants_for(ex.module)
+        assert bullets, f"{ex.id}: the card lists no 易错点"
+        assert len(plants) >= len(bullets), f"{ex.id}: {len(bullets)} 易错点 but only {len(plants)} plants"
+
+
+def test_written_exercises_have_book_pages():
+    for ex in registry.written():
+        n = ex.number
+        assert (registry.ROOT / "book" / "appendix-a" / f"a-{n}.md").is_file(), ex.id
+        assert (registry.ROOT / "book" / "appendix-c" / f"c-{n}.md").is_file(), ex.id
+        track = registry.ROOT / "book" / f"track-{ex.track.lower()}"
+        assert list(track.glob(f"{ex.id}-*.md")), ex.id
+
+
+def test_appendix_a_is_generated_from_the_cards():
+    from course import book
+    for ex in registry.written():
+        assert book.hint_path(ex).read_text(encoding="utf-8") == book.hint_page(ex), \
+            f"{book.hint_path(ex)} is stale: run python -m course.book"

@@ -1,0 +1,53 @@
+"""The selection layer: one package name, files from mine/, solutions/ or an explicit path."""
+
+import subprocess
+import sys
+
+import pytest
+
+from course import select
+
+
+def test_resolve_defaults_to_solutions():
+    assert select.resolve("m03_sparse_moe", {"default": "solutions"}) == select.ROOT / "solutions" / "m03_sparse_moe.py"
+    assert select.resolve("m03_sparse_moe", {"default": "solutions", "m03_sparse_moe": "mine"}) == \
+        select.ROOT / "mine" / "m03_sparse_moe.py"
+
+
+def test_missing_module_is_a_clear_import_error():
+    with pytest.raises(ModuleNotFoundError, match="does not exist"):
+        select.resolve("m99_nothing", {"default": "solutions"})
+
+
+def _run(code: str, selection: dict) -> str:
+    env_code = f"import os; os.environ[{select.ENV!r}] = {select.encode(selection)!r}\n" + code
+    proc = subprocess.run([sys.executable, "-c", env_code], cwd=select.ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+def test_relative_imports_between_exercise_files_follow_the_selection(tmp_path):
+    (tmp_path / "a.py").write_text("WHO = 'a from tmp'\n")
+    (tmp_path / "b.py").write_text("from .a import WHO\n")
+    out = _run("from course import select; select.install(); import impl.b; print(impl.b.WHO, impl.b.__file__)",
+               {"default": "solutions", "a": str(tmp_path / "a.py"), "b": str(tmp_path / "b.py")})
+    assert out.startswith("a from tmp") and out.endswith("b.py")
+
+
+def test_the_same_module_name_serves_mine_and_solutions():
+    code = ("from course import select; m = select.load('m03_sparse_moe'); "
+            "print(m.__name__, m.__file__)")
+    assert _run(code, {"default": "solutions"}).endswith("solutions/m03_sparse_moe.py")
+    assert _run(code, {"default": "solutions", "m03_sparse_moe": "mine"}).endswith("mine/m03_sparse_moe.py")
+
+
+def test_a_failed_import_is_retried():
+    code = ("from course import select\n"
+            "for _ in range(2):\n"
+            "    try: select.load('m03_sparse_moe')\n"
+            "    except SyntaxError: print('syntax')\n")
+    import tempfile, pathlib
+    with tempfile.TemporaryDirectory() as d:
+        bad = pathlib.Path(d) / "bad.py"
+        bad.write_text("def f(:\n")
+        assert _run(code, {"default": "solutions", "m03_sparse_moe": str(bad)}).split() == ["syntax", "syntax"]
