@@ -122,13 +122,12 @@ def test_qwen3_rmsnorm_matches_hf():
         wrong = [(hf.weight * c, msg) for c, msg in _wrong_cores(x, eps)]
         assert_close(m.rms_norm(x, hf.weight, eps), ref, what=f"rms_norm，x {list(x.shape)}，eps={eps:g}", rand=r,
                      looks_like=wrong)
-        mine = _copy(m.RMSNorm(h, eps=eps), hf)
-        out = mine(x)
+        out = _copy(m.RMSNorm(h, eps=eps), hf)(x)
         if isinstance(out, tuple):
             raise AssertionError("RMSNorm(x)：residual=None（第一层）时应只返回 normed 张量，不是 tuple")
+        if isinstance(out, torch.Tensor) and out.shape == x.shape and not torch.isfinite(out.reshape(-1, h)[0]).all():
+            raise AssertionError(f"RMSNorm(x)：全零行的输出应为 0，得到 NaN/inf（eps 要加在 sqrt 里面防止除以 0）；{r}")
         assert_close(out, ref, what=f"RMSNorm(x)，x {list(x.shape)}（要用 self.eps={eps:g}）", rand=r, looks_like=wrong)
-        assert_equal(torch.isfinite(out).all().reshape(1), torch.ones(1, dtype=torch.bool),
-                     what="全零行的输出应为 0（不是 NaN）", rand=r)
 
 
 @point("fused residual：链式调用与 HF 残差模式一致")
@@ -157,6 +156,23 @@ def test_fused_residual_chain_matches_hf():
             def sub(i, t):                                  # stands in for attention / MLP
                 return torch.tanh(t @ subs[i].T)
 
+            def same(actual, expected, what_step, looks_like=()):
+                if dtype == torch.float32:
+                    assert_close(actual, expected, what=f"{what}：{what_step}", rand=r, looks_like=looks_like)
+                else:                                       # bit-level, step by step (1-ulp flips would compound)
+                    _assert_bf16(actual, expected, what=f"{what}：{what_step}", r=r, looks_like=looks_like)
+
+            def fp32_sum_normed(norm, t):                   # nano-vllm: add in fp32, normalise the unrounded sum
+                c = _core(t.float(), 1e-6)
+                w = norm.weight
+                return (w * c.to(dtype)) if cls_name == "RMSNorm" else (c * (1 + w.float())).to(dtype)
+
+            def swapped_cast(norm, t):                      # the other norm's cast order
+                c, w = _core(t, 1e-6), norm.weight
+                if cls_name == "RMSNorm":
+                    return [((w.float() * c).to(dtype), M_Q3_FP32)]
+                return [((1 + w) * c.to(dtype), M_GEMMA_CAST), ((c.to(dtype) * (1 + w.float())).to(dtype), M_GEMMA_CAST)]
+
             with torch.no_grad():
                 # HF's decoder: residual = h; h = norm(h); h = f(h); h = residual + h
                 hs = x
@@ -169,30 +185,33 @@ def test_fused_residual_chain_matches_hf():
                 out, residual = mine[0](x), x
                 if isinstance(out, tuple):
                     raise AssertionError(f"{what}：第一层 residual=None 时应只返回 normed 张量，不是 tuple")
+                same(out, hf_norms[0](x), "第一层 norm(x)", looks_like=swapped_cast(hf_norms[0], x))
                 for i in range(2 * num_layers):
                     delta = sub(i, out)
                     step = mine[i + 1](delta, residual)
                     if not (isinstance(step, tuple) and len(step) == 2):
                         raise AssertionError(f"{what}：带 residual 调用时应返回 (normed, x + residual) 两个张量")
-                    assert_close(step[1], delta + residual, what=f"{what}：第 {i + 1} 次 fused 返回的 residual",
-                                 rand=r, looks_like=[(residual, M_PRE_RES), (delta, M_PRE_X)])
+                    expected = residual + delta             # HF's order, in x.dtype
+                    same(step[1], expected, f"第 {i + 1} 次 fused 返回的 residual",
+                         looks_like=[(residual, M_PRE_RES), (delta, M_PRE_X)])
+                    same(step[0], hf_norms[i + 1](expected), f"第 {i + 1} 次 fused 返回的 normed",
+                         looks_like=[(hf_norms[i + 1](delta), M_NORM_X),
+                                     (fp32_sum_normed(hf_norms[i + 1], delta.float() + residual.float()),
+                                      "在 fp32 里相加后对未舍入的和做 norm（nano-vllm 的写法）；HF 先在 x.dtype 里相加")]
+                         + swapped_cast(hf_norms[i + 1], expected))
                     out, residual = step
-            if dtype == torch.float32:
+            if dtype == torch.float32:                      # end to end: the same stream as HF's decoder
                 assert_close(residual, ref_stream, what=f"{what}：最终 residual 流", rand=r)
                 assert_close(out, ref_out, what=f"{what}：最终 normed", rand=r)
-            else:
-                _assert_bf16(residual, ref_stream, what=f"{what}：最终 residual 流", r=r)
-                _assert_bf16(out, ref_out, what=f"{what}：最终 normed", r=r)
 
 
 @point("Gemma 风格 (1+w) norm 与 Qwen3_5RMSNorm 一致")
 def test_gemma_rmsnorm_matches_hf():
     m = impl(MOD)
     r = Rand()
-    ex_w = EX_W
-    out = m.gemma_rms_norm(EX_X, ex_w, 1e-6)
+    out = m.gemma_rms_norm(EX_X, EX_W, 1e-6)
     assert_close(out, EX_GEMMA, what="逐步图 gemma_rms_norm(x, w, 1e-6)", atol=EX_ATOL, rtol=0,
-                 looks_like=[(EX_QWEN3, M_GEMMA_W)] + [((1 + ex_w) * c, msg) for c, msg in _wrong_cores(EX_X, 1e-6)])
+                 looks_like=[(EX_QWEN3, M_GEMMA_W)] + [((1 + EX_W) * c, msg) for c, msg in _wrong_cores(EX_X, 1e-6)])
 
     h, eps = r.int(8, 96), r.choice([1e-6, 1e-5])
     hf = _hf(Qwen3_5RMSNorm, h, eps, r, mean=0.0)
@@ -244,7 +263,8 @@ def test_rmsnorm_gated_matches_hf():
                 assert_close(mod_out, ref, what=f"RMSNormGated(x, z)，{what}", rand=r, looks_like=wrong)
             else:
                 all_fp32 = (w * n * F.silu(zf)).to(dtype)
-                bf16_wrong = [(all_fp32, "全程 fp32 再一次 cast：HF 是先把 w·norm(x) cast 回 x.dtype，再乘 silu(z)")]
+                bf16_wrong = [(all_fp32, "全程 fp32 再一次 cast：HF 是先把 w·norm(x) cast 回 x.dtype，再乘 silu(z)"),
+                              (((w * n).to(dtype) * F.silu(zf)).to(dtype), M_Q3_FP32)]
                 _assert_bf16(fn_out, ref, what=f"rms_norm_gated，{what}", r=r, looks_like=bf16_wrong)
                 _assert_bf16(mod_out, ref, what=f"RMSNormGated(x, z)，{what}", r=r, looks_like=bf16_wrong)
 

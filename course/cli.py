@@ -21,13 +21,18 @@ import time
 
 from rich.console import Console
 from rich.markdown import Markdown
+from rich.table import Table
 
 from . import cards, registry, state
 from .grade import Grade, run_checks
 from .select import ROOT
 
 console = Console(highlight=False)
-say = lambda *a, **k: console.print(*a, soft_wrap=True, **k)  # noqa: E731  plain lines: never cropped
+
+
+def say(*args, **kwargs) -> None:
+    """Print plain lines without wrapping or cropping (file paths and messages stay whole)."""
+    console.print(*args, soft_wrap=True, **kwargs)
 
 STATUS_LABEL = {
     "passed": "[green]✓ 通过[/]",
@@ -62,7 +67,11 @@ def _exercise(exercise_id: str) -> registry.Exercise:
 def overview() -> int:
     done = state.passed_ids(registry.CATALOGUE)
     for track, name in registry.TRACKS.items():
-        say(f"\n[bold]Track {track} · {name}[/]")
+        table = Table(title=f"Track {track} · {name}", title_justify="left", show_header=False, box=None,
+                      padding=(0, 1), title_style="bold")
+        table.add_column("id", style="bold", no_wrap=True)
+        table.add_column("title")
+        table.add_column("status", no_wrap=True)
         for ex in (e for e in registry.CATALOGUE if e.track == track):
             if not ex.written:
                 label = STATUS_LABEL["coming"]
@@ -70,7 +79,9 @@ def overview() -> int:
                 label = STATUS_LABEL["gpu"]
             else:
                 label = STATUS_LABEL[state.status_of(ex.id, ex.stub)]
-            say(f"  {ex.id}  {ex.title:<52} {label}")
+            table.add_row(ex.id, ex.title, label)
+        console.print()
+        console.print(table)
     total = len(registry.written())
     say(f"\n已通过 {len(done)}/{total} 个已发布的练习（目录共 {len(registry.CATALOGUE)} 个）。")
     nxt = registry.next_after(None, done)
@@ -112,7 +123,8 @@ def grade_one(exercise_id: str, solutions: bool) -> int:
     _print_grade(grade, source)
     n, total = grade.count("passed"), len(grade.results)
     if not solutions:
-        state.record(ex.id, "passed" if grade.passed else "failed", ex.stub, n, total)
+        status = "passed" if grade.passed else ("todo" if grade.all_todo else "failed")
+        state.record(ex.id, status, ex.stub, n, total)
     if grade.passed:
         done = state.passed_ids(registry.CATALOGUE) | {ex.id}
         nxt = registry.next_after(ex.id, done)

@@ -88,6 +88,7 @@ class Attention(nn.Module):
     """
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
+        """Keep num_heads, head_dim, scale, num_kv_heads; k_cache = v_cache = None until the engine binds a cache."""
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim

@@ -160,6 +160,11 @@ class GatedDeltaNet(nn.Module):
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
                  head_v_dim: int, conv_kernel_size: int, rms_norm_eps: float):
+        """Parameters (names and shapes as HF, so loading a checkpoint is a name lookup):
+        in_proj_qkv [C, hidden] (C = 2*nk*dk + nv*dv, rows [q_all | k_all | v_all]), in_proj_z [nv*dv, hidden],
+        in_proj_b / in_proj_a [nv, hidden] (nn.Linear, no bias); conv1d depthwise nn.Conv1d, weight [C, 1, K],
+        no bias; A_log, dt_bias [nv]; norm = RMSNormGated(dv, eps); out_proj [hidden, nv*dv].
+        """
         super().__init__()
         self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim

@@ -1,5 +1,10 @@
 """Every written exercise: the reference passes, the untouched stub is 未实现 everywhere, every plant is caught."""
 
+import os
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
 import pytest
 
 from checks.plants import plants_for
@@ -7,6 +12,23 @@ from course import registry
 from course.grade import run_checks
 
 WRITTEN = [e for e in registry.written() if not e.needs_gpu]
+_GRADES: dict = {}
+_TMP = tempfile.TemporaryDirectory(prefix="course-plants-")
+
+
+def _graded(ex):
+    """Grade the reference, the stub and every plant of `ex`, as many at once as there are cores."""
+    if ex.id not in _GRADES:
+        jobs = {"reference": {"default": "solutions"}, "stub": {"default": "solutions", ex.module: "mine"}}
+        for plant in plants_for(ex.module):
+            planted = Path(_TMP.name) / plant.id / f"{ex.module}.py"
+            planted.parent.mkdir(parents=True, exist_ok=True)
+            planted.write_text(plant.apply(ex.reference.read_text(encoding="utf-8")), encoding="utf-8")
+            jobs[plant.id] = {"default": "solutions", ex.module: str(planted)}
+        with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+            futures = {key: pool.submit(run_checks, ex, sel) for key, sel in jobs.items()}
+            _GRADES[ex.id] = {key: f.result() for key, f in futures.items()}
+    return _GRADES[ex.id]
 
 
 def _summary(grade) -> str:
@@ -16,14 +38,14 @@ def _summary(grade) -> str:
 
 @pytest.mark.parametrize("ex", WRITTEN, ids=[e.id for e in WRITTEN])
 def test_reference_passes(ex):
-    grade = run_checks(ex, {"default": "solutions"})
+    grade = _graded(ex)["reference"]
     assert grade.passed, _summary(grade)
     assert len(grade.results) >= 3, f"{ex.id}: too few checks"
 
 
 @pytest.mark.parametrize("ex", WRITTEN, ids=[e.id for e in WRITTEN])
 def test_untouched_stub_is_not_implemented_everywhere(ex):
-    grade = run_checks(ex, {"default": "solutions", ex.module: "mine"})
+    grade = _graded(ex)["stub"]
     assert not grade.crash, grade.crash
     assert grade.all_todo, _summary(grade)
 
@@ -32,10 +54,8 @@ PLANTED = [(ex, p) for ex in WRITTEN for p in plants_for(ex.module)]
 
 
 @pytest.mark.parametrize("ex,plant", PLANTED, ids=[f"{ex.id}-{p.id}" for ex, p in PLANTED])
-def test_planted_mistake_is_caught(ex, plant, tmp_path):
-    planted = tmp_path / f"{ex.module}.py"
-    planted.write_text(plant.apply(ex.reference.read_text(encoding="utf-8")), encoding="utf-8")
-    grade = run_checks(ex, {"default": "solutions", ex.module: str(planted)})
+def test_planted_mistake_is_caught(ex, plant):
+    grade = _graded(ex)[plant.id]
     assert not grade.crash, grade.crash
     bad = [r for r in grade.results if r["status"] in ("failed", "error", "timeout")]
     assert bad, f"planted mistake {plant.id!r} ({plant.mistake}) was not caught:\n{_summary(grade)}"

@@ -1,0 +1,155 @@
+"""Tiny HF causal LMs of every family, every parameter randomised, and checkpoints written from them.
+
+Used by the m06 checks (logits after loading) and the engine checks (greedy generate).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors.torch import save_file
+from transformers import (
+    Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeConfig, Qwen3OmniMoeTextConfig
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerTextModel
+
+from checks.kit import Rand
+
+transformers.utils.logging.set_verbosity_error()
+
+FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_omni_moe_text")
+
+
+def tiny_config(family: str, r: Rand, vocab: int = 96, tie: bool = False, layers: int | None = None):
+    """A tiny fp32 eager config; sizes vary with the seed. Hybrids get layer_types with a full-attention layer."""
+    heads, kv = r.choice([(4, 2), (4, 1), (2, 2)])
+    head_dim = r.choice([8, 16])
+    hidden = r.choice([32, 48])
+    base = dict(vocab_size=vocab, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv,
+                head_dim=head_dim, max_position_embeddings=512, rms_norm_eps=1e-6, attn_implementation="eager")
+    moe = dict(num_experts=r.int(4, 8), num_experts_per_tok=2, moe_intermediate_size=r.choice([16, 24]),
+               experts_implementation="eager")
+    if family == "qwen3":
+        return Qwen3Config(intermediate_size=64, num_hidden_layers=layers or 2, rope_theta=1e6,
+                           tie_word_embeddings=tie, **base)
+    if family == "qwen3_moe":
+        # layer 0 dense (mlp_only_layers), the rest MoE; renormalisation off (the Qwen3MoeConfig default)
+        return Qwen3MoeConfig(intermediate_size=64, num_hidden_layers=layers or 3, rope_theta=1e6,
+                              norm_topk_prob=False, mlp_only_layers=[0], tie_word_embeddings=tie, **base, **moe)
+    if family == "qwen3_omni_moe_text":
+        return Qwen3OmniMoeTextConfig(intermediate_size=64, num_hidden_layers=layers or 2,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                       "mrope_section": _section(head_dim)}, **base, **moe)
+    lin = dict(linear_num_key_heads=2, linear_num_value_heads=r.choice([2, 4]), linear_key_head_dim=8,
+               linear_value_head_dim=r.choice([8, 16]), linear_conv_kernel_dim=4,
+               layer_types=(["linear_attention", "full_attention", "linear_attention"])[:layers or 3])
+    rope = {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5,
+            "mrope_section": _section(head_dim // 2)}
+    if family == "qwen3_5_text":
+        return Qwen3_5TextConfig(intermediate_size=64, num_hidden_layers=len(lin["layer_types"]),
+                                 rope_parameters=rope, tie_word_embeddings=tie, **base, **lin)
+    if family == "qwen3_5_moe_text":
+        return Qwen3_5MoeTextConfig(shared_expert_intermediate_size=24, num_hidden_layers=len(lin["layer_types"]),
+                                    rope_parameters=rope, tie_word_embeddings=tie, **base, **moe, **lin)
+    raise ValueError(family)
+
+
+def _section(rotary_dim: int) -> list[int]:
+    half = rotary_dim // 2                      # the sections cover the rotary_dim / 2 frequencies
+    return [half - 2 * (half // 3), half // 3, half // 3]
+
+
+class ThinkerTextLM(torch.nn.Module):
+    """The Omni thinker's text model with an LM head (HF has no text-only *ForCausalLM for it)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.model = Qwen3OmniMoeThinkerTextModel(config)
+        self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.config = config
+
+    def forward(self, input_ids):
+        return self.lm_head(self.model(input_ids).last_hidden_state)
+
+
+def hf_model(family: str, config, r: Rand) -> torch.nn.Module:
+    cls = {"qwen3": Qwen3ForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM, "qwen3_5_text": Qwen3_5ForCausalLM,
+           "qwen3_5_moe_text": Qwen3_5MoeForCausalLM, "qwen3_omni_moe_text": ThinkerTextLM}[family]
+    model = cls(config).eval()
+    randomise(model, r)
+    return model
+
+
+def randomise(model: torch.nn.Module, r: Rand) -> None:
+    """Every parameter random (G-17): norms around their init (1 or 0) with noise, gates small, the rest N(0, s)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=r.gen)
+            if "norm" in name or name.endswith(("A_log", "dt_bias")):
+                p.add_(0.2 * noise)
+            else:
+                p.copy_(noise * (0.3 if p.dim() == 1 else 0.15))
+
+
+def hf_logits(model, seqs: list[torch.Tensor]) -> torch.Tensor:
+    """HF logits for each sequence on its own (no padding), concatenated: [sum(len), V]."""
+    with torch.no_grad():
+        return torch.cat([(out.logits if hasattr(out := model(s[None]), "logits") else out)[0] for s in seqs])
+
+
+def per_expert_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF module keys -> the on-disk per-expert layout (experts.{e}.{gate,up,down}_proj.weight), G-14."""
+    out = {}
+    for key, t in state.items():
+        if m := re.fullmatch(r"(.*\.experts)\.gate_up_proj", key):
+            inter = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{m.group(1)}.{e}.gate_proj.weight"] = t[e, :inter].clone()
+                out[f"{m.group(1)}.{e}.up_proj.weight"] = t[e, inter:].clone()
+        elif m := re.fullmatch(r"(.*\.experts)\.down_proj", key):
+            for e in range(t.shape[0]):
+                out[f"{m.group(1)}.{e}.down_proj.weight"] = t[e].clone()
+        else:
+            out[key] = t.contiguous().clone()
+    return out
+
+
+def save_hf(model, folder: Path, max_shard_size: str = "40KB") -> Path:
+    """save_pretrained into `folder` (sharded): on-disk keys exactly as HF writes them."""
+    model.save_pretrained(folder, max_shard_size=max_shard_size)
+    return folder
+
+
+def write_checkpoint(folder: Path, config, tensors: dict[str, torch.Tensor], shards: int = 3) -> Path:
+    """A hand-made checkpoint folder: config.json + `shards` safetensors files (for hub-style layouts)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(folder)
+    keys = sorted(tensors)
+    for i in range(shards):
+        part = {k: tensors[k].contiguous() for k in keys[i::shards]}
+        save_file(part, str(folder / f"model-{i + 1:05d}-of-{shards:05d}.safetensors"))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        k: f"model-{i % shards + 1:05d}-of-{shards:05d}.safetensors" for i, k in enumerate(keys)}}))
+    return folder
+
+
+def omni_checkpoint(model: ThinkerTextLM, folder: Path) -> Path:
+    """The Omni layout: a qwen3_omni_moe config, keys under `thinker.`, per-expert, plus audio / talker keys."""
+    tensors = {f"thinker.model.{k}": v for k, v in per_expert_state_dict(model.model.state_dict()).items()}
+    tensors["thinker.lm_head.weight"] = model.lm_head.weight.detach().clone()
+    tensors["thinker.audio_tower.conv1.weight"] = torch.zeros(4, 4)
+    tensors["talker.model.norm.weight"] = torch.zeros(4)
+    config = Qwen3OmniMoeConfig(thinker_config={"text_config": model.config.to_dict()})
+    return write_checkpoint(folder, config, tensors)

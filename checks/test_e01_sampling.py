@@ -1,0 +1,528 @@
+"""Checks for E01 · Sampling (lessons/e01_sampling.md).
+
+Oracle: HF transformers 5.17.0's warper chain TemperatureLogitsWarper -> TopKLogitsWarper -> TopPLogitsWarper ->
+MinPLogitsWarper (transformers.generation.logits_process, min_tokens_to_keep=1, the order of
+GenerationMixin._get_logits_processor), applied row by row in fp32. Sampling is checked against the card's
+contract (vLLM's exponential race with the row's own generator), by batch-composition scenarios and by
+distribution tests with a bound computed for the sample size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import transformers
+from torch.overrides import TorchFunctionMode
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from checks.kit import Rand, assert_close, assert_dtype, assert_equal, explain_crash, impl, point
+
+transformers.utils.logging.set_verbosity_error()
+
+MODULE = "e01_sampling"
+INF = math.inf
+
+# the 易错点 of the card, as the messages name them
+TEMP_AFTER = "temperature 在过滤之后才除（应最先除：top-k/top-p/min-p 都作用在 logits / temperature 上）"
+TEMP_NONE = "没有除以 temperature"
+CROSSING = ("top-p 差一位：把越过阈值的那个 token 也过滤掉了（HF 保留累计概率 >= top_p 的最小集合，"
+            "升序累加时只删 cumsum <= 1 - top_p 的 token，且最大的那个永远保留）")
+TOPK0 = "top_k=0 应表示“关闭”（保留全部 V 个），你把它当成 k=0 / 下标越界了"
+MINP_ABS = "min_p 当成了绝对概率阈值（应为 min_p * p_max，相对最大概率）"
+TIES = "并列 logits 的取舍与 HF 相反：HF 用升序 stable 排序，并列时 index 大的排在后面、先被保留"
+GREEDY = "temperature=0 的行也去采样了：应直接取 argmax（并列取第一个）"
+SHARED_GEN = ("所有行共用一个 generator（或一次从一个 generator 抽整个 [B, V] 的噪声）："
+              "带 seed 的行的结果随 batch 里的其他行变化")
+NO_GEN = "没有用该行自己的 generator 抽噪声（用了全局 RNG），同一个 seed 两次运行结果不同"
+HALF = "softmax 等采样数学在 bf16/fp16 里做（应先 logits.float()，全部在 fp32 里算）"
+CONTRACT = ("与卡片约定的 exponential race 不一致：q = torch.empty(V).exponential_(generator=g)（fp32，形状 [V]，"
+            "每个采样行从自己的 generator 抽一次），token = argmax(softmax(warp_logits) / q)")
+
+CRASHES = {
+    "out of bounds": TOPK0,
+    "index -1": TOPK0,
+}
+
+
+def _f32(x: float) -> float:
+    """A Python float that is exactly representable in fp32 (so HF and a [B] fp32 tensor see the same value)."""
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+# ------------------------------------------------------------------------------------------- HF oracle
+
+def hf_chain(temperature: float, top_k: int, top_p: float, min_p: float) -> LogitsProcessorList:
+    """The warpers generate() builds for do_sample=True (GenerationMixin._get_logits_processor, same order)."""
+    procs = [TemperatureLogitsWarper(temperature)]
+    if top_k != 0:
+        procs.append(TopKLogitsWarper(top_k=top_k))
+    if top_p < 1.0:
+        procs.append(TopPLogitsWarper(top_p=top_p))
+    if min_p != 0.0:
+        procs.append(MinPLogitsWarper(min_p=min_p))
+    return LogitsProcessorList(procs)
+
+
+def hf_warp(logits: torch.Tensor, T, k, p, mp) -> torch.Tensor:
+    """Row by row through HF's chain: [B, V] -> [B, V]."""
+    rows = [hf_chain(float(T[b]), int(k[b]), float(p[b]), float(mp[b]))(None, logits[b:b + 1].clone())
+            for b in range(logits.shape[0])]
+    return torch.cat(rows)
+
+
+# ------------------------------------------------------------------------------- classic wrong answers
+
+def _variant_row(row, T, k, p, mp, temp="first", keep_crossing=True, relative=True, flip_ties=False):
+    """One row through a plain re-implementation of the chain with one classic mistake switched on."""
+    if flip_ties:                                   # reversed vocab: ties broken the other way round
+        return _variant_row(row.flip(0), T, k, p, mp).flip(0)
+    x = row / T if temp == "first" else row.clone()
+    if k:
+        x = x.masked_fill(x < torch.topk(x, min(k, x.numel())).values[-1], -INF)
+    if p < 1:
+        sx, idx = torch.sort(x, stable=True)
+        probs = sx.softmax(-1)
+        cum = probs.cumsum(-1) - (0 if keep_crossing else probs)
+        drop = cum <= 1 - p
+        drop[-1] = False
+        x = x.clone()
+        x[idx[drop]] = -INF
+    if mp:
+        pr = x.softmax(-1)
+        x = x.masked_fill(pr < (mp * pr.max() if relative else mp), -INF)
+    return x / T if temp == "last" else x
+
+
+def _variant(logits, T, k, p, mp, **mistake) -> torch.Tensor:
+    return torch.stack([_variant_row(logits[b], float(T[b]), int(k[b]), float(p[b]), float(mp[b]), **mistake)
+                        for b in range(logits.shape[0])])
+
+
+def _warp_mistakes(logits, T, k, p, mp, ties: bool = False) -> list:
+    out = [(_variant(logits, T, k, p, mp, temp="last"), TEMP_AFTER),
+           (_variant(logits, T, k, p, mp, temp="none"), TEMP_NONE),
+           (_variant(logits, T, k, p, mp, keep_crossing=False), CROSSING),
+           (_variant(logits, T, k, p, mp, relative=False), MINP_ABS)]
+    if ties:
+        out.append((_variant(logits, T, k, p, mp, flip_ties=True), TIES))
+    return out
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    kept_a, kept_b = ~torch.isneginf(a), ~torch.isneginf(b)
+    return (a.shape == b.shape and torch.equal(kept_a, kept_b)
+            and torch.allclose(a.masked_fill(~kept_a, 0), b.masked_fill(~kept_b, 0), atol=1e-5, rtol=1e-5))
+
+
+def assert_warp(out, logits, T, k, p, mp, r: Rand, what: str, ties: bool = False) -> None:
+    """Same filtered set as HF row by row (exactly), and the kept values equal logits / temperature."""
+    ref = hf_warp(logits, T, k, p, mp)
+    if not isinstance(out, torch.Tensor):
+        raise AssertionError(f"{what}：应返回 torch.Tensor，得到 {type(out).__name__}；{r}")
+    if out.shape != ref.shape:
+        raise AssertionError(f"{what}：形状应为 {list(ref.shape)}，得到 {list(out.shape)}；{r}")
+    assert_dtype(out, torch.float32, what=what)
+    kept, ref_kept = ~torch.isneginf(out), ~torch.isneginf(ref)
+    if torch.equal(kept, ref_kept):
+        assert_close(out.masked_fill(~kept, 0), ref.masked_fill(~ref_kept, 0), what=f"{what} 保留下来的值", rand=r,
+                     looks_like=[(w.masked_fill(torch.isneginf(w), 0), m)
+                                 for w, m in _warp_mistakes(logits, T, k, p, mp)[:2]])
+        return
+    b, j = (int(i) for i in (kept != ref_kept).nonzero()[0])
+    params = f"temperature={float(T[b]):.6g}, top_k={int(k[b])}, top_p={float(p[b]):.6g}, min_p={float(mp[b]):.6g}"
+    msg = (f"{what}：第 {b} 行（{params}）的 token {j} 应{'保留' if ref_kept[b, j] else '过滤为 -inf'}，你的结果相反；"
+           f"该行应保留 {int(ref_kept[b].sum())} 个 token，你保留了 {int(kept[b].sum())} 个；{r}")
+    if bool((~kept).all(dim=-1).any()):
+        msg += f"\n  看起来像易错点：有一行被全部过滤成 -inf。{TOPK0}"
+    else:
+        for wrong, mistake in _warp_mistakes(logits, T, k, p, mp, ties=ties):
+            if _same(out, wrong):
+                msg += f"\n  看起来像易错点：{mistake}"
+                break
+    raise AssertionError(msg)
+
+
+def random_params(r: Rand, rows: int, vocab: int):
+    """Per-row parameters covering every switch: off values, top_p near 0 and near 1, min_p up to 1."""
+    T, k, p, mp = [], [], [], []
+    for _ in range(rows):
+        T.append(_f32(r.choice([r.py.uniform(0.05, 0.5), r.py.uniform(0.5, 2.0), 1.0])))
+        k.append(r.choice([0, 0, r.int(1, vocab), vocab, vocab + r.int(1, 5)]))
+        p.append(_f32(r.choice([1.0, 1.0, r.py.uniform(0.05, 0.95), r.py.uniform(1e-7, 0.02),
+                                1 - r.py.uniform(1e-6, 0.02)])))
+        mp.append(_f32(r.choice([0.0, 0.0, r.py.uniform(0.01, 0.3), r.py.uniform(0.3, 1.0), 1.0])))
+    return (torch.tensor(T), torch.tensor(k, dtype=torch.int64), torch.tensor(p), torch.tensor(mp))
+
+
+# ------------------------------------------------------------------------------- sampling contract
+
+def expected_tokens(logits: torch.Tensor, params: list, gens: list) -> list:
+    """What the card's contract gives: argmax for temperature 0, else argmax(softmax(HF chain) / q),
+    q = torch.empty(V).exponential_(generator=g) from the row's own generator; None where unseeded."""
+    out = []
+    for b, sp in enumerate(params):
+        row = logits[b].float()
+        if sp.temperature == 0:
+            out.append(int(row.argmax()))
+        elif gens[b] is None:
+            out.append(None)
+        else:
+            probs = torch.softmax(hf_chain(sp.temperature, sp.top_k, sp.top_p, sp.min_p)(None, row[None].clone()), -1)
+            q = torch.empty(row.numel()).exponential_(generator=gens[b])
+            out.append(int((probs[0] / q).argmax()))
+    return out
+
+
+def random_request(m, r: Rand, vocab: int, seed=None, greedy: bool = False):
+    """A random but valid SamplingParams (fp32-exact floats)."""
+    return m.SamplingParams(
+        temperature=0.0 if greedy else _f32(r.py.uniform(0.3, 1.8)),
+        top_k=r.choice([0, 0, r.int(2, vocab)]),
+        top_p=_f32(r.choice([1.0, r.py.uniform(0.5, 0.98)])),
+        min_p=_f32(r.choice([0.0, 0.0, r.py.uniform(0.01, 0.2)])),
+        seed=seed)
+
+
+def _gens(m, seeds: list) -> list:
+    with explain_crash(CRASHES):
+        return [m.make_generator(s) for s in seeds]
+
+
+def _check_tokens(tokens, rows: int, what: str) -> None:
+    if not isinstance(tokens, torch.Tensor):
+        raise AssertionError(f"{what}：Sampler 应返回 torch.Tensor，得到 {type(tokens).__name__}")
+    if list(tokens.shape) != [rows]:
+        raise AssertionError(f"{what}：Sampler 应返回形状 [{rows}] 的 token ids，得到 {list(tokens.shape)}")
+    assert_dtype(tokens, torch.int64, what=f"{what} 的 token ids")
+
+
+# ------------------------------------------------------------------------------------------- checks
+
+BAD = [  # (field, bad value) -> ValueError naming the field and the value
+    ("temperature", -0.5), ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", True),
+    ("temperature", "0.7"),
+    ("top_k", -1), ("top_k", 2.5), ("top_k", True), ("top_k", "5"),
+    ("top_p", 0.0), ("top_p", 1.5), ("top_p", -0.1), ("top_p", float("nan")), ("top_p", True),
+    ("min_p", -0.1), ("min_p", 1.5), ("min_p", float("nan")), ("min_p", "0.1"),
+    ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", 1.5), ("max_tokens", True),
+    ("seed", -1), ("seed", 1.5), ("seed", True), ("seed", "7"),
+    ("stop_token_ids", [1, "2"]), ("stop_token_ids", [1.5]), ("stop_token_ids", [True]), ("stop_token_ids", [-1]),
+    ("stop_token_ids", 5),
+]
+
+
+@point("SamplingParams 校验：每个非法值都报 ValueError，消息点名字段和值")
+def test_params_rejects_bad_values():
+    m = impl(MODULE)
+    r = Rand()
+    for name, value in r.py.sample(BAD, len(BAD)):
+        shown = value[0] if name == "stop_token_ids" and isinstance(value, list) else value
+        try:
+            m.SamplingParams(**{name: value})
+        except ValueError as exc:
+            text = str(exc)
+            if name not in text or (str(shown) not in text and repr(shown) not in text):
+                raise AssertionError(f"SamplingParams({name}={value!r}) 的 ValueError 应同时写出字段名 {name!r} "
+                                     f"和坏值 {shown!r}，得到：{text!r}") from None
+            continue
+        except NotImplementedError:
+            raise
+        except Exception as exc:   # noqa: BLE001  a TypeError from comparing "abc" >= 0 is not the contract
+            raise AssertionError(f"SamplingParams({name}={value!r}) 应抛 ValueError，得到 "
+                                 f"{type(exc).__name__}: {exc}（bool/str 也要先检查类型再比较大小）") from None
+        raise AssertionError(f"SamplingParams({name}={value!r}) 应抛 ValueError（消息点名 {name!r}），但没有报错")
+
+
+GOOD = [dict(), dict(temperature=0), dict(temperature=0.0), dict(temperature=1), dict(temperature=2.5),
+        dict(top_k=0), dict(top_k=1), dict(top_k=10**6), dict(top_p=1.0), dict(top_p=1), dict(top_p=1e-9),
+        dict(min_p=0.0), dict(min_p=1.0), dict(seed=0), dict(seed=None), dict(seed=2**40), dict(max_tokens=1),
+        dict(stop_token_ids=[]), dict(stop_token_ids=[0, 151645]), dict(ignore_eos=True),
+        dict(temperature=0.0, top_k=50, top_p=0.9, min_p=0.05, seed=7, max_tokens=16, stop_token_ids=[2])]
+
+
+@point("SamplingParams 校验：合法的边界值（0、1、None、空列表）照常通过")
+def test_params_accepts_edges():
+    m = impl(MODULE)
+    for kwargs in GOOD:
+        try:
+            sp = m.SamplingParams(**kwargs)
+        except NotImplementedError:
+            raise
+        except Exception as exc:   # noqa: BLE001
+            raise AssertionError(f"SamplingParams(**{kwargs}) 是合法的，却报了 {type(exc).__name__}: {exc}") from None
+        for name, value in kwargs.items():
+            if getattr(sp, name) != value:
+                raise AssertionError(f"SamplingParams(**{kwargs}).{name} 应为 {value!r}，得到 {getattr(sp, name)!r}")
+
+
+@point("warp_logits 与 HF 的 warper 链逐行一致（随机的逐行参数）")
+def test_warp_matches_hf():
+    m = impl(MODULE)
+    r = Rand()
+    rows, vocab = r.int(16, 28), r.int(17, 160)
+    logits = r.randn(rows, vocab, scale=r.choice([1.0, 2.0, 4.0]))
+    T, k, p, mp = random_params(r, rows, vocab)
+    with explain_crash(CRASHES):
+        out = m.warp_logits(logits.clone(), T, k, p, mp)
+    assert_warp(out, logits, T, k, p, mp, r, "warp_logits")
+
+
+@point("并列与边界：ties、top_p→0/1、top_k=0 与 ≥V、min_p=0/1 都与 HF 一致")
+def test_warp_edges_and_ties():
+    m = impl(MODULE)
+    r = Rand()
+    vocab = r.int(4, 16)                            # HF's (unstable) sort is stable up to 16 entries
+    edges = [(1.0, 0, 1.0, 0.0), (0.7, 0, 1e-7, 0.0), (1.3, 0, 1 - 1e-6, 0.0), (1.0, vocab, 1.0, 0.0),
+             (1.0, vocab + 3, 0.999, 0.0), (0.5, 1, 1.0, 0.0), (1.0, 2, 1.0, 0.0), (1.0, 0, 0.5, 0.0),
+             (1.0, 0, 0.25, 0.0), (1.0, 0, 0.75, 0.0), (1.0, 0, 1.0, 1.0), (2.0, 0, 1.0, 0.5), (1.0, 3, 0.6, 0.2)]
+    rows = len(edges) * 2
+    logits = r.randint(-2, 3, (rows, vocab)).float()           # integer logits: many exact ties
+    logits[len(edges):] = r.randn(len(edges), vocab)           # the same edges on continuous logits
+    T, p, mp = (torch.tensor([_f32(e[i]) for e in edges] * 2) for i in (0, 2, 3))
+    k = torch.tensor([e[1] for e in edges] * 2, dtype=torch.int64)
+    with explain_crash(CRASHES):
+        out = m.warp_logits(logits.clone(), T, k, p, mp)
+    assert_warp(out, logits, T, k, p, mp, r, "warp_logits（并列与边界）", ties=True)
+    everything_off = torch.tensor([e == (1.0, 0, 1.0, 0.0) for e in edges] * 2)
+    assert_close(out[everything_off], logits[everything_off], what="全部关闭（T=1, top_k=0, top_p=1, min_p=0）的行",
+                 rand=r)
+
+
+@point("temperature=0 的行取 argmax（并列取第一个），不受 top-k/top-p/seed 影响")
+def test_greedy_rows_take_argmax():
+    m = impl(MODULE)
+    r = Rand()
+    rows, vocab = r.int(16, 24), r.int(40, 100)
+    logits = r.randn(rows, vocab)
+    tie_rows = list(range(0, rows, 3))
+    for b in tie_rows:                                         # two equal maxima: argmax takes the first
+        i, j = sorted(r.py.sample(range(vocab), 2))
+        logits[b, i] = logits[b, j] = logits[b].max() + 1
+    greedy = [b % 4 != 3 for b in range(rows)]
+    params = [random_request(m, r, vocab, seed=r.choice([None, r.int(0, 10**6)]), greedy=g) for g in greedy]
+    gens = _gens(m, [sp.seed for sp in params])
+    sampler = m.Sampler()
+    for step in range(3):
+        with explain_crash(CRASHES):
+            tokens = sampler(logits, params, gens)
+        _check_tokens(tokens, rows, "Sampler")
+        _assert_greedy(tokens, logits, torch.tensor(greedy), f"第 {step} 步 temperature=0 的行", r)
+    all_greedy = [m.SamplingParams(temperature=0.0) for _ in range(rows)]
+    with explain_crash(CRASHES):
+        tokens = sampler(logits, all_greedy, [None] * rows)
+    _check_tokens(tokens, rows, "Sampler（全部 greedy）")
+    _assert_greedy(tokens, logits, torch.ones(rows, dtype=torch.bool), "全部 greedy 的 batch", r)
+
+
+def _assert_greedy(tokens, logits, rows, what: str, r: Rand) -> None:
+    want = logits.argmax(dim=-1)[rows]
+    got = tokens[rows]
+    if torch.equal(got, want):
+        return
+    last_max = (logits.shape[-1] - 1 - logits.flip(-1).argmax(dim=-1))[rows]
+    ties_only = torch.equal(got, last_max)
+    mistake = "并列最大值应取第一个（torch.argmax 的约定），你取了最后一个" if ties_only else GREEDY
+    assert_equal(got, want, what=what, rand=r, looks_like=[(got, mistake)])
+
+
+@point("固定 seed：每一步的 token 都等于卡片约定的 exponential race")
+def test_seeded_tokens_follow_the_contract():
+    m = impl(MODULE)
+    r = Rand()
+    rows, vocab = r.int(8, 14), r.int(30, 300)
+    seeds = [r.int(0, 2**31 - 1) if b % 5 != 4 else None for b in range(rows)]
+    params = [random_request(m, r, vocab, seed=s, greedy=(b % 7 == 6)) for b, s in enumerate(seeds)]
+    gens = _gens(m, seeds)
+    mirror = [torch.Generator().manual_seed(s) if s is not None else None for s in seeds]
+    sampler = m.Sampler()
+    for step in range(3):
+        logits = r.randn(rows, vocab, scale=2.0)
+        want = expected_tokens(logits, params, mirror)
+        with explain_crash(CRASHES):
+            tokens = sampler(logits.clone(), params, gens)
+        _check_tokens(tokens, rows, "Sampler")
+        for b, w in enumerate(want):
+            if w is not None and int(tokens[b]) != w:
+                sp = params[b]
+                raise AssertionError(f"第 {step} 步第 {b} 行（seed={sp.seed}, temperature={sp.temperature}, "
+                                     f"top_k={sp.top_k}, top_p={sp.top_p}, min_p={sp.min_p}）得到 token "
+                                     f"{int(tokens[b])}，按约定应为 {w}：{CONTRACT}；{r}")
+
+
+@point("同一个 seed：单独跑、混在不同的 batch 里、重跑一次，token 都相同")
+def test_seed_independent_of_batch():
+    m = impl(MODULE)
+    r = Rand()
+    vocab, steps = r.int(50, 200), 4
+    seed = r.int(0, 2**31 - 1)
+    mine = random_request(m, r, vocab, seed=seed)
+    mine.temperature, mine.top_k, mine.top_p = _f32(r.py.uniform(1.0, 1.5)), 0, 1.0   # high entropy: any slip shows
+    rows = r.int(5, 9)
+    where = r.int(1, rows - 1)                                 # never first, so "use generators[0]" shows up
+    others = [random_request(m, r, vocab, seed=r.choice([None, r.int(0, 2**31 - 1)]), greedy=(b == 0))
+              for b in range(rows - 1)]
+    batch_params = others[:where] + [mine] + others[where:]
+    logits = [r.randn(rows, vocab) for _ in range(steps)]
+    sampler = m.Sampler()
+
+    def run(params, rows_of_logits, label):
+        gens = _gens(m, [sp.seed for sp in params])
+        got = []
+        for step in range(steps):
+            with explain_crash(CRASHES):
+                tokens = sampler(logits[step][rows_of_logits].clone(), params, gens)
+            _check_tokens(tokens, len(params), label)
+            got.append(tokens)
+        return torch.stack(got)                                # [steps, rows]
+
+    alone = run([mine], [where], "单独一行")[:, 0]
+    again = run([mine], [where], "单独一行（重跑）")[:, 0]
+    if not torch.equal(alone, again):
+        raise AssertionError(f"seed={seed} 的请求单独跑两次得到 {alone.tolist()} 和 {again.tolist()}\n"
+                             f"  看起来像易错点：{NO_GEN}；{r}")
+    in_batch = run(batch_params, list(range(rows)), "batch")[:, where]
+    if not torch.equal(alone, in_batch):
+        raise AssertionError(f"seed={seed} 的请求单独跑得到 {alone.tolist()}，放在 {rows} 行 batch 的第 {where} 行得到 "
+                             f"{in_batch.tolist()}\n  看起来像易错点：{SHARED_GEN}；{r}")
+    twin = batch_params + [mine]                               # the same seed twice in one batch
+    both = run(twin, list(range(rows)) + [where], "batch（同一 seed 出现两次）")
+    if not torch.equal(both[:, where], both[:, -1]):
+        raise AssertionError(f"同一个 batch 里两个 seed={seed} 的相同请求得到 {both[:, where].tolist()} 和 "
+                             f"{both[:, -1].tolist()}\n  看起来像易错点：{SHARED_GEN}；{r}")
+
+
+@point("分布检验：经验频率接近 softmax(warp_logits)，被过滤的 token 从不出现")
+def test_distribution():
+    m = impl(MODULE)
+    r = Rand()
+    vocab = r.int(6, 10)
+    logits = r.randn(1, vocab, scale=1.5)
+    configs = [m.SamplingParams(temperature=_f32(r.py.uniform(0.5, 0.8))),
+               m.SamplingParams(temperature=_f32(r.py.uniform(1.2, 2.0)), top_k=vocab - 2),
+               m.SamplingParams(temperature=1.0, top_p=_f32(r.py.uniform(0.6, 0.85)), min_p=_f32(0.1))]
+    sampler = m.Sampler()
+    draws = 3000
+    for sp in configs:
+        probs = torch.softmax(hf_chain(sp.temperature, sp.top_k, sp.top_p, sp.min_p)(None, logits.clone()), -1)[0]
+        first = r.int(0, 10**6)
+        seeded = [m.SamplingParams(temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p,
+                                   seed=s) for s in range(first, first + draws // 2)]
+        torch.manual_seed(r.seed)                                   # the unseeded half uses the global RNG
+        batch = seeded + [sp] * (draws - len(seeded))
+        with explain_crash(CRASHES):
+            tokens = sampler(logits.expand(draws, vocab).clone(), batch, _gens(m, [x.seed for x in batch]))
+        _check_tokens(tokens, draws, "Sampler")
+        outside = sorted(set(tokens.tolist()) - set((probs > 0).nonzero().flatten().tolist()))
+        if outside:
+            raise AssertionError(f"（temperature={sp.temperature}, top_k={sp.top_k}, top_p={sp.top_p}, "
+                                 f"min_p={sp.min_p}）采样到了被过滤的 token {outside}：过滤后的 token 概率必须是 0；{r}")
+        freq = torch.bincount(tokens, minlength=vocab).double() / draws
+        tv = 0.5 * float((freq - probs.double()).abs().sum())
+        # E[TV] <= 0.5 * sum sqrt(p(1-p)/n); McDiarmid: P(TV > E + t) <= exp(-2 n t^2) = 1e-6
+        bound = 0.5 * float((probs.double() * (1 - probs.double()) / draws).sqrt().sum()) + math.sqrt(
+            math.log(1e6) / (2 * draws))
+        if tv > bound:
+            raise AssertionError(
+                f"（temperature={sp.temperature}, top_k={sp.top_k}, top_p={sp.top_p}, min_p={sp.min_p}）{draws} 次采样"
+                f"的经验分布与 softmax(warp_logits) 的全变差距离为 {tv:.3f}，超过此样本量的上界 {bound:.3f}：\n"
+                f"  经验频率 {[round(v, 3) for v in freq.tolist()]}\n  应接近   {[round(v, 3) for v in probs.tolist()]}\n"
+                f"  （token = argmax(probs / q)，q ~ Exp(1)；乘 q、或用 logits 代替 probs 都不是正确的采样）；{r}")
+
+
+class _HalfMath(TorchFunctionMode):
+    """Records arithmetic (division, softmax, cumsum, noise, ...) whose result is bf16 / fp16."""
+    OPS = {"softmax", "log_softmax", "div", "truediv", "rtruediv", "mul", "rmul", "sub", "rsub", "add", "radd", "exp",
+           "log", "cumsum", "exponential", "pow", "reciprocal", "sum", "amax", "logsumexp"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = getattr(func, "__name__", "").strip("_")
+        if name in self.OPS and isinstance(out, torch.Tensor) and out.dtype in (torch.bfloat16, torch.float16):
+            self.seen.append(f"{name}({out.dtype})")
+        return out
+
+
+@point("bf16/fp16 的 logits 也在 fp32 里采样（token 与 fp32 输入相同）")
+def test_half_logits_sampled_in_fp32():
+    m = impl(MODULE)
+    r = Rand()
+    rows, vocab = r.int(8, 12), r.int(100, 300)
+    for dtype in (torch.bfloat16, torch.float16):
+        seeds = [r.int(0, 2**31 - 1) for _ in range(rows)]
+        params = [random_request(m, r, vocab, seed=s, greedy=(b == 0)) for b, s in enumerate(seeds)]
+        gens = _gens(m, seeds)
+        mirror = [torch.Generator().manual_seed(s) for s in seeds]
+        sampler = m.Sampler()
+        for step in range(3):
+            half = r.randn(rows, vocab, scale=2.0).to(dtype)             # exactly representable in both dtypes
+            want = expected_tokens(half.float(), params, mirror)
+            spy = _HalfMath()
+            with explain_crash(CRASHES), spy:
+                tokens = sampler(half.clone(), params, gens)
+            if spy.seen:
+                raise AssertionError(f"{dtype} 的 logits：Sampler 里有运算在半精度中进行（{', '.join(sorted(set(spy.seen)))}）"
+                                     f"\n  看起来像易错点：{HALF}；{r}")
+            _check_tokens(tokens, rows, f"Sampler（{dtype} logits）")
+            if tokens.tolist() != want:
+                raise AssertionError(f"{dtype} 的 logits 第 {step} 步得到 {tokens.tolist()}，按 fp32 计算应为 {want}"
+                                     f"\n  看起来像易错点：{HALF}；{r}")
+
+
+@point("卡片例子：V=5 的逐步过滤与 seed=0/1 的 exponential race")
+def test_card_example():
+    m = impl(MODULE)
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.0, -1.0]])
+    f32 = lambda v: torch.tensor([v])                                   # noqa: E731
+    i64 = lambda v: torch.tensor([v], dtype=torch.int64)                # noqa: E731
+    stages = [  # (top_k, top_p, min_p) at temperature 0.5, and the expected output
+        ((0, 1.0, 0.0), [4.0, 3.0, 2.0, 0.0, -2.0], None),
+        ((4, 1.0, 0.0), [4.0, 3.0, 2.0, 0.0, -INF], None),
+        ((4, 0.9, 0.0), [4.0, 3.0, 2.0, -INF, -INF], ([4.0, 3.0, -INF, -INF, -INF], CROSSING)),
+        ((4, 0.9, 0.3), [4.0, 3.0, -INF, -INF, -INF], ([4.0, -INF, -INF, -INF, -INF], MINP_ABS)),
+    ]
+    for (k, p, mp), want, wrong in stages:
+        with explain_crash(CRASHES):
+            out = m.warp_logits(logits.clone(), f32(0.5), i64(k), f32(p), f32(mp))
+        want_t = torch.tensor([want])
+        if not _same(out, want_t):
+            msg = (f"卡片例子 logits=[2, 1.5, 1, 0, -1]、temperature=0.5、top_k={k}、top_p={p}、min_p={mp}："
+                   f"应得到 {want}，得到 {out.tolist() if isinstance(out, torch.Tensor) else out}")
+            mistakes = [([2.0 / 0.5, 1.5 / 0.5, 1.0 / 0.5, 0.0, -INF], TEMP_AFTER)] if k else []
+            if wrong is not None:
+                mistakes.append(wrong)
+            for w, name in mistakes:
+                if isinstance(out, torch.Tensor) and _same(out, torch.tensor([w])):
+                    msg += f"\n  看起来像易错点：{name}"
+            raise AssertionError(msg)
+    final = m.warp_logits(logits.clone(), f32(0.5), i64(4), f32(0.9), f32(0.3))
+    assert_close(torch.softmax(final, -1), torch.tensor([[0.7311, 0.2689, 0.0, 0.0, 0.0]]),
+                 what="卡片例子最终的 softmax", atol=1e-4, rtol=0)
+    sampler = m.Sampler()
+    sp = m.SamplingParams(temperature=0.5, top_k=4, top_p=0.9, min_p=0.3)
+    for seed, want in ((0, 1), (1, 0)):
+        with explain_crash(CRASHES):
+            token = sampler(logits.clone(), [sp], [m.make_generator(seed)])
+        _check_tokens(token, 1, "卡片例子")
+        if int(token[0]) != want:
+            raise AssertionError(f"卡片例子 seed={seed}：q = torch.empty(5).exponential_(generator=make_generator({seed}))，"
+                                 f"argmax(probs / q) 应为 token {want}，得到 {int(token[0])}：{CONTRACT}")
+    greedy = sampler(logits.clone(), [m.SamplingParams(temperature=0.0, top_k=4, top_p=0.9, min_p=0.3)],
+                     [m.make_generator(0)])
+    assert_equal(greedy, torch.tensor([0]), what="卡片例子 temperature=0",
+                 looks_like=[(torch.tensor([1]), GREEDY)])
+    ties = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    out = m.warp_logits(ties.clone(), f32(1.0), i64(0), f32(0.5), f32(0.0))
+    if not _same(out, torch.tensor([[-INF, 1.0, 1.0, -INF]])):
+        raise AssertionError(f"卡片例子 logits=[1, 1, 1, 0]、top_p=0.5：HF 保留 token 1 和 2，应得到 [-inf, 1, 1, -inf]，"
+                             f"得到 {out.tolist()}\n  看起来像易错点：{TIES}")

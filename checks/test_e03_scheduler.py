@@ -1,0 +1,516 @@
+"""Checks for E03 · Scheduler (lessons/e03_scheduler.md).
+
+There is no HF module to compare with: a scheduler is graded by scenarios and invariants. Every check
+drives the learner's Scheduler with the reference BlockManager (e02) and a deterministic fake model
+that, like a real one, first stores this step's tokens into their KV slots (through the block tables)
+and then reads each sequence's whole context back from the cache; its next token is a hash of that
+context. So a token computed twice, a position never computed, or a stale block all change the output,
+and recompute after preemption must reproduce exactly the tokens of an unconstrained run.
+After every step the harness checks the invariants of the card (budget, max_num_seqs, decodes first,
+chunk bookkeeping, preemption of the newest, no starvation, no leak) and names the 易错点 it resembles.
+"""
+
+from __future__ import annotations
+
+from checks.kit import Rand, impl, point
+
+MODULE = "e03_scheduler"
+VOCAB = 50
+MISTAKE = "\n  看起来像易错点："
+
+M_WHOLE_PROMPT = "把整段 prompt 计入预算 / num_scheduled_tokens：应只算未命中 prefix cache 的 num_tokens - num_cached_tokens"
+M_SAMPLE_PARTIAL = "部分 prefill 块之后采样了 token：prompt 还没算完时这一步的 logits 不是“下一个 token”"
+M_PREEMPT_OLDEST = "抢占了最老的请求而不是最新的（running[-1]）"
+M_PREEMPT_LEAK = "抢占时忘了释放块（deallocate）或把 num_cached_tokens 清零：块泄漏，重算时位置也不对"
+M_PREEMPT_BACK = "被抢占的请求应放回 waiting 队首（appendleft），而不是队尾"
+M_PREFILL_FIRST = "先接纳 prefill 再排 decode：预算被 prefill 用光，running 的 decode 被饿死"
+M_MAX_SEQS = "没有检查 max_num_seqs：接纳新请求前要看 len(running) < max_num_seqs"
+M_MAX_TOKENS = "max_tokens 差一：第 max_tokens 个 completion token 追加后就要结束（>=，不是 >）"
+M_NO_SLOT = "decode 的新 token 进入新块时没有 can_append → may_append（块不够就抢占）"
+M_NOT_ADVANCED = "postprocess 没有把 num_cached_tokens 推进 num_scheduled_tokens：下一块又从旧位置开始"
+M_CHUNK_OFF = "关闭 chunked prefill 时仍按剩余预算切块：整段放不下就该等下一步"
+M_REJECT = "add 只看了 prompt：请求最长会长到 min(prompt + max_tokens, max_model_len)，KV 池放不下就该拒绝"
+
+
+def fail(message: str, mistake: str | None = None, rand: Rand | None = None):
+    seed = f"；{rand}" if rand is not None else ""
+    raise AssertionError(message + seed + (MISTAKE + mistake if mistake else ""))
+
+
+def next_token(context: list, vocab: int = VOCAB) -> int:
+    """The fake model: a deterministic hash of the whole context."""
+    h = 0
+    for t in context:
+        h = (h * 1000003 + t + 1) % (2**61 - 1)
+    return h % vocab
+
+
+def reference_tokens(prompt: list[int], params, config) -> list[int]:
+    """The unconstrained run: one request alone, one token per step, the card's finishing rules."""
+    tokens = list(prompt)
+    while True:
+        t = next_token(tokens)
+        tokens.append(t)
+        if ((t == config.eos_token_id and not params.ignore_eos) or t in params.stop_token_ids
+                or len(tokens) - len(prompt) >= params.max_tokens or len(tokens) >= config.max_model_len):
+            return tokens
+
+
+class Harness:
+    """A Scheduler under test, the reference BlockManager, and the fake model; checks every step."""
+
+    def __init__(self, rand: Rand, *, block_size: int, num_blocks: int, prefix_caching: bool = True, **config):
+        self.m, self.e02, self.e01 = impl(MODULE), impl("e02_block_manager"), impl("e01_sampling")
+        self.r, self.bs = rand, block_size
+        self.e02.Sequence.block_size = block_size
+        self.bm = self.e02.BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
+        self.config = self.m.SchedulerConfig(**config)
+        self.sched = self.m.Scheduler(self.config, self.bm)
+        self.kv: dict[int, int] = {}          # slot -> token id written there by the fake model
+        self.names: dict[int, str] = {}
+        self.seqs: list = []
+        self.num_steps = 0
+        self.free_after_schedule = num_blocks
+        self.preempted: list[str] = []        # names, in the order the harness saw them preempted
+
+    def name(self, seq) -> str:
+        return self.names.get(seq.seq_id, f"seq{seq.seq_id}")
+
+    def add(self, name: str, prompt: list[int], **params):
+        seq = self.e02.Sequence(list(prompt), self.e01.SamplingParams(**params))
+        self.names[seq.seq_id] = name
+        self.sched.add(seq)
+        self.seqs.append(seq)
+        return seq
+
+    def step(self) -> tuple[list[tuple[str, int, int]], list[str]]:
+        """One engine step. Returns the batch as (name, first position, num tokens) and the finished names."""
+        s = self.sched
+        running = list(s.running)
+        waiting = list(s.waiting)
+        remaining = {id(q): q.num_tokens - q.num_cached_tokens for q in running}
+        free, owed = self.bm.num_free_blocks, sum(len(q.block_table) < q.num_blocks for q in running)
+        batch = s.schedule()
+        self.num_steps += 1
+        self.free_after_schedule = self.bm.num_free_blocks
+        self._check_batch(batch, running, waiting, remaining, free, owed)
+        entries = [(self.name(q), q.num_cached_tokens, q.num_scheduled_tokens) for q in batch]
+        sizes = [(q, q.num_tokens, q.num_cached_tokens + q.num_scheduled_tokens) for q in batch]
+        tokens = self._model(batch)
+        finished = s.postprocess(batch, tokens)
+        self._check_postprocess(sizes, finished)
+        return entries, [self.name(q) for q in finished]
+
+    def run(self, max_steps: int = 5000, arrivals=None) -> None:
+        """Step until every request finished; arrivals(step) may add requests before a step."""
+        while True:
+            if arrivals is not None:
+                arrivals(self.num_steps + 1)
+            if self.sched.is_finished() and (arrivals is None or getattr(arrivals, "done", True)):
+                break
+            if self.num_steps >= max_steps:
+                fail(f"{max_steps} 步后仍有请求没完成（waiting {len(self.sched.waiting)} 个，running "
+                     f"{len(self.sched.running)} 个）：死锁或饥饿", rand=self.r)
+            self.step()
+        self.check_no_leak()
+
+    def check_no_leak(self) -> None:
+        total = len(self.bm.blocks)
+        if self.bm.num_free_blocks != total or self.bm.used_block_ids:
+            held = {self.name(q): list(q.block_table) for q in self.seqs if q.block_table}
+            fail(f"所有请求都结束了，但只有 {self.bm.num_free_blocks}/{total} 个块回到空闲链表（仍被持有：{held}）",
+                 "结束或抢占时没有释放块（deallocate）", self.r)
+
+    # --- the fake model: store this step's KV, then read every context back through the block table
+    def _slot(self, seq, pos: int) -> int:
+        return seq.block_table[pos // self.bs] * self.bs + pos % self.bs
+
+    def _model(self, batch) -> list[int]:
+        for q in batch:
+            for pos in range(q.num_cached_tokens, q.num_cached_tokens + q.num_scheduled_tokens):
+                self.kv[self._slot(q, pos)] = q.token_ids[pos]
+        tokens = []
+        for q in batch:
+            end = q.num_cached_tokens + q.num_scheduled_tokens
+            context = [self.kv.get(self._slot(q, pos)) for pos in range(end)]
+            if context != q.token_ids[:end]:
+                pos = next(i for i in range(end) if context[i] != q.token_ids[i])
+                fail(f"{self.name(q)}：位置 {pos} 从 KV cache（块 {q.block_table[pos // self.bs]}）读回的不是它的 token："
+                     f"num_cached_tokens={q.num_cached_tokens} 声称已算过的位置其实没算过，或被别的请求覆盖了",
+                     f"{M_PREEMPT_LEAK}；或 {M_NOT_ADVANCED}", self.r)
+            tokens.append(next_token(context))
+        return tokens
+
+    # --- invariants after schedule()
+    def _check_batch(self, batch, running, waiting, remaining, free, owed) -> None:
+        s, cfg, r = self.sched, self.config, self.r
+        RUNNING, WAITING = self.e02.SequenceStatus.RUNNING, self.e02.SequenceStatus.WAITING
+        if not isinstance(batch, list):
+            fail(f"schedule() 应返回 list[Sequence]，得到 {type(batch).__name__}", rand=r)
+        if len({id(q) for q in batch}) != len(batch):
+            fail("同一个序列在一个 batch 里出现了两次", rand=r)
+        total = sum(q.num_scheduled_tokens for q in batch)
+        if total > cfg.max_num_batched_tokens:
+            fail(f"第 {self.num_steps} 步调度了 {total} 个 token，超过 max_num_batched_tokens={cfg.max_num_batched_tokens}"
+                 f"（{[(self.name(q), q.num_scheduled_tokens) for q in batch]}）",
+                 f"{M_WHOLE_PROMPT}；或 {M_PREFILL_FIRST}", r)
+        if len(batch) > cfg.max_num_seqs or len(s.running) > cfg.max_num_seqs:
+            fail(f"batch 有 {len(batch)} 个序列、running 有 {len(s.running)} 个，超过 max_num_seqs={cfg.max_num_seqs}",
+                 M_MAX_SEQS, r)
+        for q in batch:
+            start, n = q.num_cached_tokens, q.num_scheduled_tokens
+            if q.status != RUNNING or q not in s.running:
+                fail(f"{self.name(q)} 在 batch 里，但不是 RUNNING / 不在 running 里", rand=r)
+            if n < 1:
+                fail(f"{self.name(q)} 的 num_scheduled_tokens={n}：batch 里每个序列至少算 1 个 token", rand=r)
+            if start + n > q.num_tokens:
+                fail(f"{self.name(q)} 从位置 {start} 起要算 {n} 个 token，但它只有 {q.num_tokens} 个 token",
+                     M_WHOLE_PROMPT, r)
+            if len(q.block_table) * self.bs < start + n:
+                fail(f"{self.name(q)} 要算到位置 {start + n - 1}，但 block_table 只有 {len(q.block_table)} 个块"
+                     f"（block_size={self.bs}）：这个位置没有 KV 槽位", M_NO_SLOT, r)
+            if not cfg.enable_chunked_prefill and start + n < q.num_tokens:
+                fail(f"enable_chunked_prefill=False，但 {self.name(q)} 只算了 {n}/{q.num_tokens - start} 个待算 token",
+                     M_CHUNK_OFF, r)
+
+        preempted = [q for q in running if q.status != RUNNING]
+        if preempted:
+            names = [self.name(q) for q in preempted]
+            newest = [self.name(q) for q in running[len(running) - len(preempted):]]
+            if names != newest:
+                fail(f"第 {self.num_steps} 步被抢占的是 {names}，应是最新接纳的 {newest}（running 按接纳顺序：{[self.name(q) for q in running]}）",
+                     M_PREEMPT_OLDEST, r)
+            for q in preempted:
+                if q.status != WAITING or q.block_table or q.num_cached_tokens:
+                    fail(f"{self.name(q)} 被抢占后：status={q.status.name}，block_table={q.block_table}，"
+                         f"num_cached_tokens={q.num_cached_tokens}（应为 WAITING、[]、0）", M_PREEMPT_LEAK, r)
+            if list(s.waiting)[:len(preempted)] != preempted:
+                fail(f"被抢占的 {names} 应按原顺序排在 waiting 最前面，waiting = {[self.name(q) for q in s.waiting]}",
+                     M_PREEMPT_BACK, r)
+            self.preempted += names
+
+        in_batch = {id(q) for q in batch}
+        for q in running:
+            if remaining[id(q)] == 1 and q.status == RUNNING and id(q) not in in_batch:
+                fail(f"第 {self.num_steps} 步 running 里的 decode {self.name(q)} 没被调度"
+                     f"（batch：{[(self.name(x), x.num_scheduled_tokens) for x in batch]}）", M_PREFILL_FIRST, r)
+
+        admitted = [q for q in waiting if id(q) in in_batch]
+        if admitted != waiting[:len(admitted)]:
+            fail(f"接纳了 {[self.name(q) for q in admitted]}，但 waiting 的顺序是 {[self.name(q) for q in waiting]}："
+                 "后来的请求插了队（先来先服务，队首放不下就一起等）", rand=r)
+        if waiting and not admitted and not preempted:
+            head = waiting[0]
+            left = cfg.max_num_batched_tokens - total
+            fits = left >= (1 if cfg.enable_chunked_prefill else head.num_tokens)
+            if fits and len(running) < cfg.max_num_seqs and free - owed >= head.num_blocks:
+                fail(f"第 {self.num_steps} 步队首 {self.name(head)} 没被接纳，可是预算还剩 {left}、空闲块 {free - owed}"
+                     f"（它最多要 {head.num_blocks} 个）、running {len(running)} < max_num_seqs：饥饿", rand=r)
+
+    # --- invariants after postprocess()
+    def _check_postprocess(self, sizes, finished) -> None:
+        r = self.r
+        FINISHED = self.e02.SequenceStatus.FINISHED
+        done = {id(q) for q in finished}
+        for q, num_tokens, end in sizes:
+            if end < num_tokens:                                  # a partial prefill chunk
+                if q.num_tokens != num_tokens:
+                    fail(f"{self.name(q)} 这一步只算到位置 {end - 1}（共 {num_tokens} 个 token），却追加了 token",
+                         M_SAMPLE_PARTIAL, r)
+                if q.num_cached_tokens != end:
+                    fail(f"{self.name(q)} 算完位置 {end - 1} 后 num_cached_tokens 应为 {end}，得到 {q.num_cached_tokens}",
+                         M_NOT_ADVANCED, r)
+                continue
+            if q.num_tokens != num_tokens + 1:
+                fail(f"{self.name(q)} 的 token 全部算完，应追加 1 个采样出的 token（{num_tokens} → {num_tokens + 1}），"
+                     f"得到 {q.num_tokens} 个", rand=r)
+            if id(q) in done:
+                if q.status != FINISHED or q.block_table or q in self.sched.running:
+                    fail(f"{self.name(q)} 结束后应为 FINISHED、块已释放、不在 running 里", "结束时没有释放块 / 没移出 running", r)
+            elif q.status == FINISHED:
+                fail(f"{self.name(q)} 已是 FINISHED，但 postprocess 没有把它放进返回的列表", rand=r)
+            elif q.num_cached_tokens != end:
+                fail(f"{self.name(q)} 算完位置 {end - 1} 后 num_cached_tokens 应为 {end}，得到 {q.num_cached_tokens}",
+                     M_NOT_ADVANCED, r)
+
+    def check_tokens(self) -> None:
+        for q in self.seqs:
+            ref = reference_tokens(q.prompt_token_ids, q.sampling_params, self.config)
+            if q.token_ids != ref:
+                got, want = q.num_completion_tokens, len(ref) - q.num_prompt_tokens
+                mistake = M_MAX_TOKENS if got == want + 1 and q.token_ids[:len(ref)] == ref else None
+                fail(f"{self.name(q)} 生成了 {got} 个 token {q.completion_token_ids}，无约束运行是 {want} 个 "
+                     f"{ref[q.num_prompt_tokens:]}（max_tokens={q.sampling_params.max_tokens}）", mistake, self.r)
+
+
+def _tokens(r: Rand, n: int) -> list[int]:
+    return [r.int(1, VOCAB - 1) for _ in range(n)]
+
+
+@point("单个请求：一步 prefill，之后每步 decode 1 个 token，到 max_tokens 结束并归还全部块")
+def test_single_request():
+    r = Rand()
+    bs = r.choice([2, 4, 8])
+    h = Harness(r, block_size=bs, num_blocks=32, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128)
+    prompt_len, max_tokens = r.int(3, 20), r.int(2, 8)
+    h.add("A", _tokens(r, prompt_len), max_tokens=max_tokens, ignore_eos=True)
+    log = []
+    while not h.sched.is_finished() and h.num_steps < max_tokens + 3:
+        log.append(h.step())
+    expected = [([("A", 0, prompt_len)], [])] + [([("A", prompt_len + k, 1)], []) for k in range(max_tokens - 1)]
+    expected[-1] = (expected[-1][0], ["A"])
+    if log != expected:
+        if len(log) == max_tokens + 1 and log[:-1] == [(b, []) for b, _ in expected]:
+            fail(f"max_tokens={max_tokens} 的请求跑了 {len(log)} 步", M_MAX_TOKENS, r)
+        fail(f"每步的 (请求, 起始位置, token 数) 与 结束的请求：\n  得到 {log}\n  期望 {expected}", rand=r)
+    h.check_tokens()
+    h.check_no_leak()
+
+
+@point("结束条件：eos（ignore_eos 时不算）、stop token、max_tokens、max_model_len")
+def test_finishing_rules():
+    r = Rand()
+    prompt = _tokens(r, r.int(4, 10))
+    first = reference_tokens(prompt, impl("e01_sampling").SamplingParams(max_tokens=3, ignore_eos=True),
+                             impl(MODULE).SchedulerConfig(max_model_len=10**6))[len(prompt):]   # the 3 tokens it makes
+    cases = [  # (config, params, expected number of completion tokens)
+        (dict(eos_token_id=first[1]), dict(max_tokens=3), 2 if first[0] != first[1] else 1),
+        (dict(eos_token_id=first[1]), dict(max_tokens=3, ignore_eos=True), 3),
+        (dict(), dict(max_tokens=3, stop_token_ids=[first[0]]), 1),
+        (dict(max_model_len=len(prompt) + 2), dict(max_tokens=3), 2),
+        (dict(), dict(max_tokens=1), 1),
+    ]
+    for config, params, want in cases:
+        config = dict(dict(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64), **config)
+        h = Harness(r, block_size=4, num_blocks=16, **config)
+        seq = h.add("A", prompt, **params)
+        h.run(max_steps=8)
+        if seq.num_completion_tokens != want:
+            mistake = M_MAX_TOKENS if seq.num_completion_tokens == want + 1 == params["max_tokens"] + 1 else None
+            fail(f"SchedulerConfig({config}) + SamplingParams({params})：应生成 {want} 个 token 后结束，"
+                 f"得到 {seq.num_completion_tokens} 个 {seq.completion_token_ids}（模型会依次给出 {first}）", mistake, r)
+        h.check_tokens()
+
+
+@point("continuous batching：别的请求在 decode 时接纳新请求，同一个 batch 里一起算")
+def test_admits_while_decoding():
+    r = Rand()
+    h = Harness(r, block_size=4, num_blocks=32, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
+    la, lb, lc = r.int(2, 8), r.int(2, 8), r.int(2, 10)
+    h.add("A", _tokens(r, la), max_tokens=6, ignore_eos=True)
+    h.add("B", _tokens(r, lb), max_tokens=6, ignore_eos=True)
+    log = [h.step()[0], h.step()[0]]
+    h.add("C", _tokens(r, lc), max_tokens=3, ignore_eos=True)
+    log.append(h.step()[0])
+    expected = [[("A", 0, la), ("B", 0, lb)], [("A", la, 1), ("B", lb, 1)], [("A", la + 1, 1), ("B", lb + 1, 1), ("C", 0, lc)]]
+    if sorted(log[2]) != sorted(expected[2]) or log[:2] != expected[:2]:
+        fail(f"A、B 在 decode，第 3 步到达的 C 应在同一步被接纳：\n  得到 {log}\n  期望 {expected}", rand=r)
+    h.run(max_steps=20)
+    h.check_tokens()
+
+
+@point("decode 优先：预算先给 running 的 decode，再给 prefill 块")
+def test_decodes_before_prefill():
+    r = Rand()
+    budget = r.int(6, 10)
+    h = Harness(r, block_size=4, num_blocks=32, max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=64)
+    h.add("A", _tokens(r, 3), max_tokens=12, ignore_eos=True)
+    h.add("B", _tokens(r, 2), max_tokens=12, ignore_eos=True)
+    h.step()
+    long_len = r.int(3 * budget, 4 * budget)
+    h.add("C", _tokens(r, long_len), max_tokens=2, ignore_eos=True)
+    batch, _ = h.step()
+    want = [("A", 3, 1), ("B", 2, 1), ("C", 0, budget - 2)]
+    if sorted(batch) != sorted(want):
+        fail(f"A、B 各要 decode 1 个 token，长 prompt C 只能拿剩下的 {budget - 2} 个：得到 {batch}，期望 {want}",
+             M_PREFILL_FIRST, r)
+    h.run(max_steps=40)
+    h.check_tokens()
+
+
+@point("chunked prefill：长 prompt 按预算切块，每块从上一块结束处接着算，块中间不采样")
+def test_chunked_prefill():
+    r = Rand()
+    budget = r.int(4, 9)
+    h = Harness(r, block_size=r.choice([2, 4, 8]), num_blocks=40, max_num_seqs=2, max_num_batched_tokens=budget,
+                max_model_len=128)
+    n = r.int(2 * budget + 1, 5 * budget)
+    seq = h.add("A", _tokens(r, n), max_tokens=2, ignore_eos=True)
+    chunks = []
+    while seq.num_completion_tokens == 0 and h.num_steps < 20:
+        batch, _ = h.step()
+        chunks += [(start, k) for name, start, k in batch]
+    want = [(i, min(budget, n - i)) for i in range(0, n, budget)]
+    if chunks != want:
+        fail(f"{n} 个 token 的 prompt、预算 {budget}：各块 (起始位置, token 数) 应为 {want}，得到 {chunks}", rand=r)
+    h.run(max_steps=20)
+    h.check_tokens()
+
+
+@point("关闭 chunked prefill：放不下的 prompt 整段等到预算够的那一步，后来的请求不插队")
+def test_no_chunking_waits():
+    r = Rand()
+    budget = r.int(16, 24)
+    h = Harness(r, block_size=4, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=budget,
+                enable_chunked_prefill=False)
+    h.add("A", _tokens(r, 3), max_tokens=3, ignore_eos=True)
+    h.add("B", _tokens(r, 2), max_tokens=5, ignore_eos=True)
+    h.step()
+    h.add("C", _tokens(r, budget - 1), max_tokens=1, ignore_eos=True)     # needs the whole budget but one
+    h.add("D", _tokens(r, 2), max_tokens=1, ignore_eos=True)
+    log = []
+    while not h.sched.is_finished() and h.num_steps < 30:
+        log.append(h.step()[0])
+    # A finishes in step 3; from step 4 only B decodes, and C (budget - 1 tokens) fits next to it
+    start_c = next(i for i, b in enumerate(log) if any(e[0] == "C" for e in b)) + 2
+    start_d = next(i for i, b in enumerate(log) if any(e[0] == "D" for e in b)) + 2
+    if start_c != 4 or start_d < start_c:
+        fail(f"C（{budget - 1} 个 token，预算 {budget}）第 2、3 步放不下（A、B 各占 1），第 4 步 A 已结束才整段放进去；"
+             f"D 排在它后面不能先走：C 在第 {start_c} 步、D 在第 {start_d} 步被接纳。各步：{log}", rand=r)
+    h.check_tokens()
+
+
+@point("max_num_seqs：running 与 batch 都不超过上限，有请求结束就接纳下一个")
+def test_max_num_seqs():
+    r = Rand()
+    limit = r.int(1, 3)
+    h = Harness(r, block_size=4, num_blocks=64, max_num_seqs=limit, max_num_batched_tokens=64, max_model_len=64)
+    for i in range(limit + 2):
+        h.add(f"R{i}", _tokens(r, r.int(2, 6)), max_tokens=r.int(1, 4), ignore_eos=True)
+    h.run(max_steps=40)
+    h.check_tokens()
+
+
+@point("prefix cache 命中：只把未命中的 token 计入预算，命中部分不重算")
+def test_prefix_hits_count_only_uncached():
+    r = Rand()
+    bs = 4
+    h = Harness(r, block_size=bs, num_blocks=32, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64)
+    shared = _tokens(r, 3 * bs)
+    h.add("A", shared, max_tokens=1, ignore_eos=True)
+    h.run(max_steps=10)                                    # A computed (and freed) its 3 blocks: they stay cached
+    tail = r.int(1, 4)
+    h.add("B", shared[:2 * bs] + _tokens(r, tail), max_tokens=2, ignore_eos=True)   # hits A's first 2 blocks
+    h.add("C", _tokens(r, 8 - tail), max_tokens=2, ignore_eos=True)
+    batch, _ = h.step()
+    want = [("B", 2 * bs, tail), ("C", 0, 8 - tail)]
+    if sorted(batch) != sorted(want):
+        fail(f"B 命中 A 的前 {2 * bs} 个 token，只需算 {tail} 个；预算 8 还够 C 的 {8 - tail} 个：得到 {batch}，期望 {want}",
+             M_WHOLE_PROMPT, r)
+    h.run(max_steps=10)
+    h.check_tokens()
+
+
+@point("抢占：块不够时最新的请求让出块、回到 waiting 队首，重算后 token 与无约束运行完全一致")
+def test_preemption_by_recompute():
+    r = Rand()
+    bs = 4
+    h = Harness(r, block_size=bs, num_blocks=6, max_num_seqs=3, max_num_batched_tokens=32, max_model_len=64)
+    for name in "ABC":                                     # 2 blocks each: the pool is full after step 1
+        h.add(name, _tokens(r, 2 * bs - r.int(1, 2)), max_tokens=bs + 2, ignore_eos=True)
+    h.run(max_steps=60)
+    if h.sched.num_preemptions < 1 or not h.preempted:
+        fail(f"6 个块、3 个各占 2 块的请求一起 decode，跨块时必须抢占：num_preemptions={h.sched.num_preemptions}",
+             M_NO_SLOT, r)
+    if h.preempted[0] != "C":
+        fail(f"第一次被抢占的是 {h.preempted[0]}，应是最新的 C", M_PREEMPT_OLDEST, r)
+    if h.sched.num_preemptions != len(h.preempted):
+        fail(f"num_preemptions={h.sched.num_preemptions}，但实际抢占了 {len(h.preempted)} 次（{h.preempted}）", rand=r)
+    h.check_tokens()
+
+
+@point("add 拒绝 KV 池永远放不下的请求（ValueError），调度器照常工作")
+def test_rejects_what_never_fits():
+    r = Rand()
+    bs, num_blocks = 4, r.int(3, 6)
+    h = Harness(r, block_size=bs, num_blocks=num_blocks, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64)
+    capacity = bs * num_blocks
+    cases = [(capacity + r.int(1, 3), 1, None),                    # the prompt alone does not fit
+             (capacity - 2, r.int(4, 8), M_REJECT)]                # the prompt fits, but it would grow past the pool
+    for prompt_len, max_tokens, mistake in cases:
+        seq = h.e02.Sequence(_tokens(r, prompt_len), h.e01.SamplingParams(max_tokens=max_tokens))
+        try:
+            h.sched.add(seq)
+        except ValueError:
+            continue
+        fail(f"KV 池 {num_blocks}×{bs} = {capacity} 个 token；prompt {prompt_len} + max_tokens {max_tokens} 的请求应被"
+             "add 拒绝（ValueError），否则它会永远等块或抢占自己", mistake, r)
+    if h.sched.waiting or h.sched.running:
+        fail("被拒绝的请求不应进入 waiting / running", rand=r)
+    h.add("ok", _tokens(r, capacity - 3), max_tokens=3, ignore_eos=True)   # exactly the pool: accepted and served
+    h.run(max_steps=10)
+    h.check_tokens()
+
+
+@point("随机模拟：全部完成且与无约束运行一致，预算与上限从不超，无饥饿，块全部归还")
+def test_random_simulation():
+    r = Rand()
+    bs = r.choice([2, 4, 8])
+    num_blocks = r.int(6, 20)
+    max_model_len = r.int(12, 40)
+    chunked = r.py.random() < 0.7
+    max_num_seqs = r.int(1, 6)
+    budget = r.int(max_num_seqs, 40) if chunked else r.int(max_model_len, max_model_len + 16)
+    # A preempted partial prefill leaves cache entries for blocks whose KV was never computed (e02 registers full
+    # blocks at allocate), so the chunked runs keep prefix caching off; a run without chunking uses it.
+    h = Harness(r, block_size=bs, num_blocks=num_blocks, prefix_caching=not chunked, max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=budget, max_model_len=max_model_len, eos_token_id=0,
+                enable_chunked_prefill=chunked)
+    prefixes = [_tokens(r, r.int(0, 2 * bs)) for _ in range(3)]
+    requests = []
+    for _ in range(r.int(200, 300)):
+        prompt = (r.choice(prefixes) + _tokens(r, r.int(1, 16)))[:max_model_len - 1]
+        max_tokens = r.int(1, 16)
+        while -(-min(len(prompt) + max_tokens, max_model_len) // bs) > num_blocks:   # keep it servable
+            prompt, max_tokens = prompt[:max(1, len(prompt) - bs)], max(1, max_tokens - bs)
+        stop = [r.int(1, VOCAB - 1)] if r.py.random() < 0.3 else []
+        requests.append((prompt, dict(max_tokens=max_tokens, ignore_eos=r.py.random() < 0.3, stop_token_ids=stop)))
+
+    pending = list(requests)
+
+    def arrivals(step):
+        for _ in range(r.choice([0, 0, 1, 1, 2, 3])):
+            if pending:
+                prompt, params = pending.pop(0)
+                h.add(f"R{len(requests) - len(pending) - 1}", prompt, **params)
+        arrivals.done = not pending
+
+    arrivals.done = False
+    h.run(max_steps=20000, arrivals=arrivals)
+    if len(h.seqs) != len(requests) or not all(q.is_finished for q in h.seqs):
+        fail(f"只有 {sum(q.is_finished for q in h.seqs)}/{len(requests)} 个请求完成", rand=r)
+    h.check_tokens()
+
+
+@point("卡片例子：逐步图的 8 步调度表（chunked prefill、decode 优先、两次抢占、重算）")
+def test_card_example():
+    r = Rand()
+    h = Harness(r, block_size=4, num_blocks=6, prefix_caching=False, max_num_seqs=3, max_num_batched_tokens=8,
+                max_model_len=64)
+    h.add("A", [1, 2, 3, 4, 5], max_tokens=5)
+    h.add("B", list(range(11, 21)), max_tokens=4)
+    want = [
+        ([("A", 0, 5), ("B", 0, 3)], [], 1),
+        ([("A", 5, 1), ("B", 3, 7)], [], 1),
+        ([("A", 6, 1), ("B", 10, 1), ("C", 0, 3)], [], 0),
+        ([("A", 7, 1), ("B", 11, 1), ("C", 3, 1)], [], 0),
+        ([("A", 8, 1)], ["A"], 3),
+        ([("B", 0, 8)], [], 2),
+        ([("B", 8, 5), ("C", 0, 3)], ["B"], 0),
+        ([("C", 3, 2)], ["C"], 4),
+    ]
+    got = []
+    while not h.sched.is_finished() and h.num_steps < 12:
+        if h.num_steps == 1:
+            h.add("C", [21, 22, 23], max_tokens=3)
+        batch, finished = h.step()
+        got.append((batch, finished, h.free_after_schedule))
+    for i, (g, w) in enumerate(zip(got, want), 1):
+        if g != w:
+            fail(f"卡片例子第 {i} 步：得到 (batch, 结束, 空闲块) = {g}，卡片上是 {w}\n  全部：{got}", rand=r)
+    if len(got) != len(want):
+        fail(f"卡片例子应在 {len(want)} 步内跑完，得到 {len(got)} 步：{got}", rand=r)
+    if h.sched.num_preemptions != 2 or sorted(h.preempted) != ["B", "C"] or h.sched.num_steps != 8:
+        fail(f"卡片例子：第 5 步先抢占 C、再抢占 B（B 自己成了最新的），num_preemptions=2，num_steps=8；"
+             f"得到 抢占 {h.preempted}、num_preemptions={h.sched.num_preemptions}、num_steps={h.sched.num_steps}", rand=r)
+    h.check_tokens()

@@ -1,0 +1,192 @@
+"""Checks for M06 · models and loading (lessons/m06_models.md).
+
+Oracle: HF transformers 5.17.0 *ForCausalLM (fp32, eager, every parameter randomised) written with
+save_pretrained (sharded), loaded by our loader; logits compared on several packed sequences.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen3_5MoeConfig
+
+from checks import hf_models
+from checks.kit import Rand, assert_close, explain_crash, impl, point
+
+MODULE = "m06_models"
+LOAD_MISTAKES = {
+    "missing key for 'lm_head.weight'": "tie_word_embeddings=True 时 lm_head 与 embed_tokens 共享同一个权重，checkpoint 里没有 lm_head",
+    "unexpected key 'model.language_model.": "没有把 Qwen3.5 的 model.language_model. 前缀换成 model.",
+    "unexpected key 'mtp.": "没有跳过 mtp.* / model.visual.* 这些文本模型用不到的 key",
+    "unexpected key 'model.visual.": "没有跳过 mtp.* / model.visual.* 这些文本模型用不到的 key",
+    "unexpected key 'thinker.": "没有去掉 Omni checkpoint 的 thinker. 前缀",
+    "unexpected key 'talker.": "没有跳过 Omni 的 talker / audio_tower key",
+    ".mlp.gate_proj": "MoE 层与 dense 层的判断错了（decoder_sparse_step / mlp_only_layers）",
+    ".mlp.experts": "MoE 层与 dense 层的判断错了（decoder_sparse_step / mlp_only_layers）",
+}
+
+
+def _ctx(lengths: list[int]):
+    return impl("m04_attention").AttentionContext.from_seqlens(lengths)
+
+
+def _packed(r: Rand, vocab: int) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, list[int]]:
+    lengths = [r.int(1, 12) for _ in range(r.int(2, 4))]
+    seqs = [r.randint(1, vocab, (n,)) for n in lengths]
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    return seqs, torch.cat(seqs), positions, lengths
+
+
+def _our_logits(m, model, r: Rand, seqs, ids, positions, lengths) -> torch.Tensor:
+    with torch.no_grad(), explain_crash(LOAD_MISTAKES):
+        return model.compute_logits(model(ids, positions, _ctx(lengths)))
+
+
+def _load(m, folder: Path):
+    with explain_crash(LOAD_MISTAKES):
+        try:
+            return m.from_pretrained(folder)
+        except m.CheckpointError as exc:
+            for fragment, mistake in LOAD_MISTAKES.items():
+                if fragment in str(exc):
+                    raise AssertionError(f"加载失败：{exc}\n  看起来像易错点：{mistake}") from exc
+            raise AssertionError(f"加载失败：{exc}") from exc
+
+
+def _family_matches_hf(family: str, tie: bool = False) -> None:
+    m = impl(MODULE)
+    r = Rand()
+    config = hf_models.tiny_config(family, r, tie=tie)
+    hf = hf_models.hf_model(family, config, r)
+    with tempfile.TemporaryDirectory() as d:
+        folder = Path(d)
+        if family == "qwen3_omni_moe_text":
+            hf_models.omni_checkpoint(hf, folder)
+        else:
+            hf_models.save_hf(hf, folder)
+        model = _load(m, folder)
+    seqs, ids, positions, lengths = _packed(r, config.vocab_size)
+    out = _our_logits(m, model, r, seqs, ids, positions, lengths)
+    ref = hf_models.hf_logits(hf, seqs)
+    assert_close(out, ref, what=f"{family} 的 logits（{len(lengths)} 条 packed 序列，长度 {lengths}）", rand=r,
+                 atol=1e-4, rtol=1e-4)
+
+
+@point("qwen3：packed 多条序列的 logits 与 HF 一致")
+def test_qwen3_logits():
+    _family_matches_hf("qwen3")
+
+
+@point("qwen3_moe：dense + MoE 层混合、norm_topk_prob=False，logits 与 HF 一致")
+def test_qwen3_moe_logits():
+    _family_matches_hf("qwen3_moe")
+
+
+@point("qwen3_5_text：Gated DeltaNet + gated attention 混合，logits 与 HF 一致")
+def test_qwen3_5_logits():
+    _family_matches_hf("qwen3_5_text")
+
+
+@point("qwen3_5_moe_text：混合 + MoE + shared expert，logits 与 HF 一致")
+def test_qwen3_5_moe_logits():
+    _family_matches_hf("qwen3_5_moe_text")
+
+
+@point("Qwen3-Omni thinker 文本模型（thinker. 前缀、per-expert key）与 HF 一致")
+def test_omni_thinker_logits():
+    _family_matches_hf("qwen3_omni_moe_text")
+
+
+@point("tied embeddings：checkpoint 没有 lm_head 时与 embed_tokens 共享")
+def test_tied_embeddings():
+    _family_matches_hf("qwen3", tie=True)
+    m = impl(MODULE)
+    model = m.build_model(hf_models.tiny_config("qwen3", Rand(), tie=True))
+    assert model.lm_head.weight is model.model.embed_tokens.weight, \
+        "tie_word_embeddings=True：lm_head.weight 应与 embed_tokens.weight 是同一个 Parameter"
+
+
+@point("Qwen3.5 hub 布局：model.language_model. 前缀、忽略 visual / mtp、fused expert 张量")
+def test_qwen3_5_hub_layout():
+    m = impl(MODULE)
+    r = Rand()
+    config = hf_models.tiny_config("qwen3_5_moe_text", r)
+    hf = hf_models.hf_model("qwen3_5_moe_text", config, r)
+    tensors = {}
+    for key, t in hf.state_dict().items():      # module keys: fused experts.gate_up_proj [E, 2I, H]
+        tensors[key.replace("model.", "model.language_model.", 1) if key.startswith("model.") else key] = t.clone()
+    tensors["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(3, 3)
+    tensors["mtp.layers.0.mlp.gate.weight"] = torch.zeros(2, 2)
+    wrapper = Qwen3_5MoeConfig(text_config=config.to_dict())
+    with tempfile.TemporaryDirectory() as d:
+        hf_models.write_checkpoint(Path(d), wrapper, tensors)
+        model = _load(m, Path(d))
+    seqs, ids, positions, lengths = _packed(r, config.vocab_size)
+    assert_close(_our_logits(m, model, r, seqs, ids, positions, lengths), hf_models.hf_logits(hf, seqs),
+                 what="Qwen3.5-MoE（hub 布局）的 logits", rand=r, atol=1e-4, rtol=1e-4)
+
+
+def _broken(m, r: Rand, edit) -> str:
+    """Save a tiny qwen3_moe, apply `edit` to its tensors, load: the CheckpointError's message."""
+    config = hf_models.tiny_config("qwen3_moe", r)
+    hf = hf_models.hf_model("qwen3_moe", config, r)
+    tensors = hf_models.per_expert_state_dict(hf.state_dict())
+    edit(tensors)
+    with tempfile.TemporaryDirectory() as d:
+        hf_models.write_checkpoint(Path(d), config, tensors)
+        with pytest.raises(m.CheckpointError) as info:
+            m.from_pretrained(d)
+    return str(info.value)
+
+
+@point("坏 checkpoint 报清楚的错并点名 key：缺 key、多余 key、形状不符、不支持的 model_type")
+def test_bad_checkpoints():
+    m = impl(MODULE)
+    r = Rand()
+    missing = "model.layers.1.mlp.experts.0.up_proj.weight"
+    msg = _broken(m, r, lambda t: t.pop(missing))
+    assert "missing" in msg and "model.layers.1.mlp.experts.gate_up_proj" in msg, \
+        f"缺 key 时的错误信息应说明缺失并点名参数，得到：{msg}"
+    msg = _broken(m, r, lambda t: t.update({"model.layers.0.self_attn.rotary.inv_freq": torch.zeros(4)}))
+    assert "unexpected" in msg and "model.layers.0.self_attn.rotary.inv_freq" in msg, \
+        f"多余 key 时的错误信息应点名它，得到：{msg}"
+    key = "model.layers.0.self_attn.k_proj.weight"
+    msg = _broken(m, r, lambda t: t.update({key: t[key][:-1]}))
+    assert "shape" in msg and key in msg, f"形状不符时的错误信息应点名 key 和形状，得到：{msg}"
+    config = hf_models.tiny_config("qwen3", r)
+    config.model_type = "llama"
+    with pytest.raises(m.CheckpointError, match="llama"):
+        m.build_model(config)
+
+
+@point("registry：model_type 映射到模型类，wrapper config 取出文本部分")
+def test_registry():
+    m = impl(MODULE)
+    r = Rand()
+    for family in hf_models.FAMILIES:
+        model = m.build_model(hf_models.tiny_config(family, r))
+        assert isinstance(model, m.MODEL_REGISTRY[family]), family
+        linear = [i for i, layer in enumerate(model.model.layers) if getattr(layer, "is_linear", False)]
+        assert (len(linear) > 0) == family.startswith("qwen3_5"), f"{family}: Gated DeltaNet layers {linear}"
+    wrapper = Qwen3_5MoeConfig(text_config=hf_models.tiny_config("qwen3_5_moe_text", r).to_dict())
+    assert isinstance(m.build_model(wrapper), m.MODEL_REGISTRY["qwen3_5_moe_text"])
+
+
+@point("dummy 权重：只凭 config 构造，数值有限、按 seed 可复现")
+def test_dummy_weights():
+    m = impl(MODULE)
+    r = Rand()
+    for family in ("qwen3", "qwen3_5_moe_text"):
+        config = hf_models.tiny_config(family, r)
+        a = m.init_dummy_weights(m.build_model(config), seed=1)
+        b = m.init_dummy_weights(m.build_model(config), seed=1)
+        c = m.init_dummy_weights(m.build_model(config), seed=2)
+        seqs, ids, positions, lengths = _packed(r, config.vocab_size)
+        la, lb, lc = (_our_logits(m, x, r, seqs, ids, positions, lengths) for x in (a, b, c))
+        assert torch.isfinite(la).all(), f"{family}: dummy 权重的 logits 出现 inf/nan"
+        assert torch.equal(la, lb), f"{family}: 同一个 seed 的 dummy 权重应给出相同的 logits"
+        assert not torch.equal(la, lc), f"{family}: 不同 seed 的 dummy 权重应不同"
+        assert 1e-3 < la.std() < 10, f"{family}: dummy logits 的尺度不合理（std={la.std():.3g}）"
