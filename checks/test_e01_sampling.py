@@ -37,6 +37,9 @@ CROSSING = ("top-p 差一位：把越过阈值的那个 token 也过滤掉了（
 TOPK0 = "top_k=0 应表示“关闭”（保留全部 V 个），你把它当成 k=0 / 下标越界了"
 MINP_ABS = "min_p 当成了绝对概率阈值（应为 min_p * p_max，相对最大概率）"
 TIES = "并列 logits 的取舍与 HF 相反：HF 用升序 stable 排序，并列时 index 大的排在后面、先被保留"
+TOPK_TIES = "top-k 只留了恰好 k 个（按 topk 的下标做 mask），丢了与第 k 大并列的 token（HF 删的是严格小于第 k 大的值）"
+TOPP_OFF = ("top_p=1 时没有整体跳过 top-p：softmax 下溢成 0 的 token 满足 cumsum <= 1 - 1 = 0 被误删"
+            "（HF 在 top_p=1 时根本不加这个 warper）")
 GREEDY = "temperature=0 的行也去采样了：应直接取 argmax（并列取第一个）"
 SHARED_GEN = ("所有行共用一个 generator（或一次从一个 generator 抽整个 [B, V] 的噪声）："
               "带 seed 的行的结果随 batch 里的其他行变化")
@@ -79,14 +82,18 @@ def hf_warp(logits: torch.Tensor, T, k, p, mp) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------- classic wrong answers
 
-def _variant_row(row, T, k, p, mp, temp="first", keep_crossing=True, relative=True, flip_ties=False):
+def _variant_row(row, T, k, p, mp, temp="first", keep_crossing=True, relative=True, flip_ties=False,
+                 exact_k=False, p1_applies=False):
     """One row through a plain re-implementation of the chain with one classic mistake switched on."""
     if flip_ties:                                   # reversed vocab: ties broken the other way round
         return _variant_row(row.flip(0), T, k, p, mp).flip(0)
     x = row / T if temp == "first" else row.clone()
-    if k:
+    if k and exact_k:
+        x = x.clone()
+        x[torch.sort(x, stable=True).indices[:max(x.numel() - k, 0)]] = -INF
+    elif k:
         x = x.masked_fill(x < torch.topk(x, min(k, x.numel())).values[-1], -INF)
-    if p < 1:
+    if p < 1 or p1_applies:
         sx, idx = torch.sort(x, stable=True)
         probs = sx.softmax(-1)
         cum = probs.cumsum(-1) - (0 if keep_crossing else probs)
@@ -109,7 +116,9 @@ def _warp_mistakes(logits, T, k, p, mp, ties: bool = False) -> list:
     out = [(_variant(logits, T, k, p, mp, temp="last"), TEMP_AFTER),
            (_variant(logits, T, k, p, mp, temp="none"), TEMP_NONE),
            (_variant(logits, T, k, p, mp, keep_crossing=False), CROSSING),
-           (_variant(logits, T, k, p, mp, relative=False), MINP_ABS)]
+           (_variant(logits, T, k, p, mp, relative=False), MINP_ABS),
+           (_variant(logits, T, k, p, mp, p1_applies=True), TOPP_OFF),
+           (_variant(logits, T, k, p, mp, exact_k=True), TOPK_TIES)]
     if ties:
         out.append((_variant(logits, T, k, p, mp, flip_ties=True), TIES))
     return out
@@ -139,13 +148,18 @@ def assert_warp(out, logits, T, k, p, mp, r: Rand, what: str, ties: bool = False
     params = f"temperature={float(T[b]):.6g}, top_k={int(k[b])}, top_p={float(p[b]):.6g}, min_p={float(mp[b]):.6g}"
     msg = (f"{what}：第 {b} 行（{params}）的 token {j} 应{'保留' if ref_kept[b, j] else '过滤为 -inf'}，你的结果相反；"
            f"该行应保留 {int(ref_kept[b].sum())} 个 token，你保留了 {int(kept[b].sum())} 个；{r}")
-    if bool((~kept).all(dim=-1).any()):
-        msg += f"\n  看起来像易错点：有一行被全部过滤成 -inf。{TOPK0}"
-    else:
-        for wrong, mistake in _warp_mistakes(logits, T, k, p, mp, ties=ties):
-            if _same(out, wrong):
-                msg += f"\n  看起来像易错点：{mistake}"
-                break
+    named = next((mistake for wrong, mistake in _warp_mistakes(logits, T, k, p, mp, ties=ties) if _same(out, wrong)),
+                 None)
+    if named is None and bool((~kept).all(dim=-1).any()):
+        named = f"有一行被全部过滤成 -inf。{TOPK0}"
+    if named is None:                                          # top-k ties dropped, whichever tied ones were kept
+        x = logits[b] / T[b]
+        kb = int(k[b])
+        if 0 < kb < x.numel() and bool((kept[b] <= ref_kept[b]).all()) and int(kept[b].sum()) <= kb \
+                and int((x == torch.topk(x, kb).values[-1]).sum()) > 1:
+            named = TOPK_TIES
+    if named is not None:
+        msg += f"\n  看起来像易错点：{named}"
     raise AssertionError(msg)
 
 
@@ -281,10 +295,12 @@ def test_warp_edges_and_ties():
     vocab = r.int(4, 16)                            # HF's (unstable) sort is stable up to 16 entries
     edges = [(1.0, 0, 1.0, 0.0), (0.7, 0, 1e-7, 0.0), (1.3, 0, 1 - 1e-6, 0.0), (1.0, vocab, 1.0, 0.0),
              (1.0, vocab + 3, 0.999, 0.0), (0.5, 1, 1.0, 0.0), (1.0, 2, 1.0, 0.0), (1.0, 0, 0.5, 0.0),
-             (1.0, 0, 0.25, 0.0), (1.0, 0, 0.75, 0.0), (1.0, 0, 1.0, 1.0), (2.0, 0, 1.0, 0.5), (1.0, 3, 0.6, 0.2)]
+             (1.0, 0, 0.25, 0.0), (1.0, 0, 0.75, 0.0), (1.0, 0, 1.0, 1.0), (2.0, 0, 1.0, 0.5), (1.0, 3, 0.6, 0.2),
+             (0.1, 0, 1.0, 0.0)]
     rows = len(edges) * 2
     logits = r.randint(-2, 3, (rows, vocab)).float()           # integer logits: many exact ties
     logits[len(edges):] = r.randn(len(edges), vocab)           # the same edges on continuous logits
+    logits[len(edges) - 1::len(edges)] *= 40                   # top_p = 1 with probabilities that underflow to 0
     T, p, mp = (torch.tensor([_f32(e[i]) for e in edges] * 2) for i in (0, 2, 3))
     k = torch.tensor([e[1] for e in edges] * 2, dtype=torch.int64)
     with explain_crash(CRASHES):
@@ -465,7 +481,8 @@ def test_half_logits_sampled_in_fp32():
         mirror = [torch.Generator().manual_seed(s) for s in seeds]
         sampler = m.Sampler()
         for step in range(3):
-            half = r.randn(rows, vocab, scale=2.0).to(dtype)             # exactly representable in both dtypes
+            # distinct multiples of 1/32 in [-8, 8): exact in bf16 and fp16, and no ties (the oracle's sort is HF's)
+            half = torch.stack([torch.randperm(511, generator=r.gen)[:vocab] - 255 for _ in range(rows)]).to(dtype) / 32
             want = expected_tokens(half.float(), params, mirror)
             spy = _HalfMath()
             with explain_crash(CRASHES), spy:

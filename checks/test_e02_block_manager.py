@@ -637,7 +637,7 @@ def test_random_operations():
         bm.allocate(m.Sequence([0, 1, 0]))
 
     @seed(r.seed)
-    @settings(max_examples=int(__import__("os").environ.get("E02_EXAMPLES", 60)), deadline=None, database=None, report_multiple_bugs=False,
+    @settings(max_examples=60, deadline=None, database=None, report_multiple_bugs=False,
               suppress_health_check=list(HealthCheck))
     @given(bs=st.integers(2, 4), num_blocks=st.integers(3, 12), caching=st.sampled_from([True, True, True, False]),
            ops=_OPS)

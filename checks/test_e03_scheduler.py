@@ -221,6 +221,9 @@ class Harness:
                     fail(f"{self.name(q)} 算完位置 {end - 1} 后 num_cached_tokens 应为 {end}，得到 {q.num_cached_tokens}",
                          M_NOT_ADVANCED, r)
                 continue
+            if id(q) not in done and q.num_cached_tokens != end:
+                fail(f"{self.name(q)} 算完位置 {end - 1} 后 num_cached_tokens 应为 {end}，得到 {q.num_cached_tokens}",
+                     M_NOT_ADVANCED, r)
             if q.num_tokens != num_tokens + 1:
                 fail(f"{self.name(q)} 的 token 全部算完，应追加 1 个采样出的 token（{num_tokens} → {num_tokens + 1}），"
                      f"得到 {q.num_tokens} 个", rand=r)
@@ -229,9 +232,6 @@ class Harness:
                     fail(f"{self.name(q)} 结束后应为 FINISHED、块已释放、不在 running 里", "结束时没有释放块 / 没移出 running", r)
             elif q.status == FINISHED:
                 fail(f"{self.name(q)} 已是 FINISHED，但 postprocess 没有把它放进返回的列表", rand=r)
-            elif q.num_cached_tokens != end:
-                fail(f"{self.name(q)} 算完位置 {end - 1} 后 num_cached_tokens 应为 {end}，得到 {q.num_cached_tokens}",
-                     M_NOT_ADVANCED, r)
 
     def check_tokens(self) -> None:
         for q in self.seqs:

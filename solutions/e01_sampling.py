@@ -69,8 +69,6 @@ class SamplingParams:
             if isinstance(token, bool) or not isinstance(token, numbers.Integral) or token < 0:
                 raise ValueError(f"stop_token_ids must hold ints >= 0, got {token!r} in {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids)
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
@@ -117,9 +115,9 @@ class Sampler:
                  generators: list[torch.Generator | None]) -> torch.Tensor:
         """logits [B, V] (any float dtype; computed in fp32), params and generators of length B -> ids [B] int64.
 
-        temperature 0: argmax of the logits (first max on ties). Otherwise: warp_logits, softmax in fp32,
-        q = Exp(1) noise of shape [V] in fp32 drawn from generators[b] (the global RNG when None),
-        token = argmax(probs / q). Each sampled row with a generator consumes exactly V draws from it.
+        temperature 0: argmax of the logits (first max on ties), no noise drawn. Otherwise: warp_logits,
+        softmax in fp32, q[b] = torch.empty(V).exponential_(generator=generators[b]) (fp32, once per call;
+        the global RNG when the generator is None), token = argmax(probs / q).
         """
         logits = logits.float()                                             # [B, V]: all math in fp32
         vocab, device = logits.shape[-1], logits.device

@@ -1,0 +1,77 @@
+"""E01 · Sampling: SamplingParams with validation, and a batched sampler with per-request parameters and seeds.
+
+Per row b of logits [B, V] in fp32 (exactly HF's warper chain, transformers.generation.logits_process):
+    x = logits / temperature                                  TemperatureLogitsWarper
+    top-k: drop x_j < (k-th largest x), ties kept; k=0 off    TopKLogitsWarper
+    top-p: sort ascending, c = cumsum(softmax(sorted x));     TopPLogitsWarper
+           drop c <= 1 - top_p, never the largest token      (= smallest set with mass >= top_p)
+    min-p: p = softmax(x); drop p < min_p * max(p)            MinPLogitsWarper
+    dropped entries become -inf
+
+Sampling, the vLLM way (exponential race): temperature 0 -> argmax(logits). Otherwise
+probs = softmax(x), q_j ~ Exp(1) drawn from the row's own generator, token = argmax(probs / q).
+P(argmax_j p_j / q_j = i) = p_i, so this is an exact draw from probs; and since row b's noise comes only
+from row b's generator, a seeded request gets the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """One request's sampling settings. __post_init__ rejects bad values with a ValueError naming the field."""
+    temperature: float = 1.0      # 0 = greedy (argmax); must be >= 0
+    top_k: int = 0                # 0 = off; else >= 1 (larger than V = off)
+    top_p: float = 1.0            # (0, 1]; 1 = off
+    min_p: float = 0.0            # [0, 1]; 0 = off
+    seed: int | None = None       # per-request generator; same seed -> same tokens whatever else is in the batch
+    max_tokens: int = 64          # >= 1
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        """Validate every field; raise ValueError("<field> must ..., got <value>") on the first bad one.
+
+        Numbers must be real numbers (bool and str are rejected); ints are accepted for float fields and
+        converted. stop_token_ids may be any list/tuple of non-negative ints and is stored as a list.
+        """
+        raise NotImplementedError("e01: 请实现 SamplingParams.__post_init__ 的参数校验（见 lessons/e01_sampling.md）")
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A request's own RNG, created once when the request arrives: None (use the global RNG) without a seed."""
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def warp_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                min_p: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] fp32; temperature [B] (> 0), top_k [B] int (0 = off), top_p [B] (1 = off),
+    min_p [B] (0 = off) -> [B, V]: logits / temperature with every filtered entry set to -inf.
+
+    Row for row identical to HF's Temperature -> TopK -> TopP -> MinP warpers (min_tokens_to_keep=1,
+    ties as HF's ascending sort). One sort serves both top-k and top-p; no loop over rows.
+    """
+    raise NotImplementedError("e01: 请实现 warp_logits（见 lessons/e01_sampling.md）")
+
+
+class Sampler:
+    """One token per request from one step's logits: greedy rows take argmax, the others run an
+    exponential race whose noise comes from the row's own generator."""
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> torch.Tensor:
+        """logits [B, V] (any float dtype; computed in fp32), params and generators of length B -> ids [B] int64.
+
+        temperature 0: argmax of the logits (first max on ties), no noise drawn. Otherwise: warp_logits,
+        softmax in fp32, q[b] = torch.empty(V).exponential_(generator=generators[b]) (fp32, once per call;
+        the global RNG when the generator is None), token = argmax(probs / q).
+        """
+        raise NotImplementedError("e01: 请实现 Sampler.__call__（见 lessons/e01_sampling.md）")
