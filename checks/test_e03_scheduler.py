@@ -514,3 +514,6 @@ def test_card_example():
         fail(f"卡片例子：第 5 步先抢占 C、再抢占 B（B 自己成了最新的），num_preemptions=2，num_steps=8；"
              f"得到 抢占 {h.preempted}、num_preemptions={h.sched.num_preemptions}、num_steps={h.sched.num_steps}", rand=r)
     h.check_tokens()
+    tokens = {h.name(q): q.completion_token_ids for q in h.seqs}
+    if tokens != {"A": [27, 26, 34, 8, 12], "B": [3, 16, 15, 47], "C": [41, 6, 49]}:
+        fail(f"卡片例子的 completion token 应为 A [27, 26, 34, 8, 12]、B [3, 16, 15, 47]、C [41, 6, 49]，得到 {tokens}", rand=r)

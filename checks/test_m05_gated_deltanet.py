@@ -459,4 +459,5 @@ def test_card_worked_example():
     assert_close(s[0, 0], ref_s, what="卡片例子递推形式的最终状态 S_3", atol=1e-4, rtol=0)
     o, s = m.chunk_gated_delta_rule(*args, chunk_size=2)
     assert_close(o[0, :, 0], ref_o, what="卡片例子分块形式（chunk_size=2）的输出", atol=1e-4, rtol=0)
-    assert_close(s[0, 0], ref_s, what="卡片例子分块形式（chunk_size=2）的最终状态", atol=1e-4, rtol=0)
+    assert_close(s[0, 0], ref_s, what="卡片例子分块形式（chunk_size=2）的最终状态", atol=1e-4, rtol=0,
+                 looks_like=[(torch.tensor([[2.1828, -0.0744], [1.1840, -0.8320]]), CHUNK_DECAY)])
