@@ -219,7 +219,7 @@ def _check_tokens(tokens, rows: int, what: str) -> None:
 
 # ------------------------------------------------------------------------------------------- checks
 
-BAD = [  # (field, bad value) -> ValueError naming the field and the value
+BAD = [  # (field, bad value[, the value the message must show]) -> ValueError naming the field and the value
     ("temperature", -0.5), ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", True),
     ("temperature", "0.7"),
     ("top_k", -1), ("top_k", 2.5), ("top_k", True), ("top_k", "5"),
@@ -227,8 +227,8 @@ BAD = [  # (field, bad value) -> ValueError naming the field and the value
     ("min_p", -0.1), ("min_p", 1.5), ("min_p", float("nan")), ("min_p", "0.1"),
     ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", 1.5), ("max_tokens", True),
     ("seed", -1), ("seed", 1.5), ("seed", True), ("seed", "7"),
-    ("stop_token_ids", [1, "2"]), ("stop_token_ids", [1.5]), ("stop_token_ids", [True]), ("stop_token_ids", [-1]),
-    ("stop_token_ids", 5),
+    ("stop_token_ids", [1, "2"], "2"), ("stop_token_ids", [7, 1.5], 1.5), ("stop_token_ids", [True], True),
+    ("stop_token_ids", [3, -1], -1), ("stop_token_ids", 5),
 ]
 
 
@@ -236,8 +236,8 @@ BAD = [  # (field, bad value) -> ValueError naming the field and the value
 def test_params_rejects_bad_values():
     m = impl(MODULE)
     r = Rand()
-    for name, value in r.py.sample(BAD, len(BAD)):
-        shown = value[0] if name == "stop_token_ids" and isinstance(value, list) else value
+    for name, value, *shown in r.py.sample(BAD, len(BAD)):
+        shown = shown[0] if shown else value
         try:
             m.SamplingParams(**{name: value})
         except ValueError as exc:

@@ -54,6 +54,7 @@ def run_checks(exercise: Exercise, selection: dict[str, str], extra_args: tuple[
             "TRANSFORMERS_VERBOSITY": "error",
             "TOKENIZERS_PARALLELISM": "false",
             "HF_HUB_OFFLINE": "1",
+            "OMP_NUM_THREADS": child_env.get("OMP_NUM_THREADS", "1"),   # tiny tensors: threads only contend
         })
         cmd = [sys.executable, "-m", "pytest", str(exercise.checks), "-q", "-p", "no:cacheprovider",
                "--rootdir", str(select.ROOT), "-c", os.devnull, f"--timeout={timeout_s or CHECK_TIMEOUT_S}",

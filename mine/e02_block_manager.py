@@ -19,7 +19,10 @@ just on its own tokens. hash_to_block_id maps h_i to the physical block that hol
 - ref_count = number of live sequences holding the block. A block reaching 0 goes back to the tail of
   the free list but keeps its hash: it is still a cache entry until the free list hands it out again,
   and only then is its entry evicted. Sequences free their blocks last block first, so a prefix
-  outlives its continuations.
+  outlives its continuations. (A block whose KV was never computed, beyond seq.num_cached_tokens when a
+  chunked prefill is preempted, is evicted at once: a cache entry must hold real KV.)
+- may_append, after a token was appended: a new block when that token opened one; when it filled the
+  last block, the block is registered under its chained hash.
 
 Lesson: lessons/e02_block_manager.md (#9, book §E.2).
 """
@@ -171,11 +174,15 @@ class BlockManager:
         self.blocks[block_id].update(h, token_ids)
         self.hash_to_block_id[h] = block_id
 
+    def _uncache_block(self, block_id: int) -> None:
+        """Evict: the block stops being a cache entry. Its hash entry is dropped only if the entry still
+        points at this block (a newer block may have registered the same content since)."""
+        raise NotImplementedError("e02: 请实现 _uncache_block（见 lessons/e02_block_manager.md）")
+
     def _allocate_block(self) -> int:
         """Hand the head of the free list to one new owner (ref_count 1) and return its id.
 
-        A block that still carries a hash is a cache entry being evicted: drop its entry, but only if the
-        entry still points at this block (a newer block may have registered the same content since).
+        A block that still carries a hash is a cache entry: it is evicted now, and not earlier.
         """
         raise NotImplementedError("e02: 请实现 _allocate_block（见 lessons/e02_block_manager.md）")
 
@@ -204,7 +211,11 @@ class BlockManager:
         raise NotImplementedError("e02: 请实现 allocate（见 lessons/e02_block_manager.md）")
 
     def deallocate(self, seq: Sequence) -> None:
-        """Drop seq's hold on its blocks, last block first; blocks reaching 0 go to the free list."""
+        """Drop seq's hold on its blocks, last block first; blocks reaching 0 go to the free list.
+
+        Such a block stays a cache entry only if its KV was computed (it lies within seq.num_cached_tokens):
+        a request preempted in the middle of a chunked prefill leaves registered blocks never written.
+        """
         raise NotImplementedError("e02: 请实现 deallocate（见 lessons/e02_block_manager.md）")
 
     def can_append(self, seq: Sequence) -> bool:

@@ -20,7 +20,10 @@ recurrent state per linear layer), zeroed when its prefill starts, freed when it
 
 from __future__ import annotations
 
+from itertools import chain
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .e01_sampling import Sampler, make_generator
@@ -30,26 +33,29 @@ from .m05_gated_deltanet import GDNState
 
 
 def prepare_batch(seqs: list[Sequence], block_size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionContext]:
-    """The step's (input_ids [N], positions [N], ctx) for sequences with num_scheduled_tokens set."""
-    input_ids, positions, slot_mapping = [], [], []
-    cu_q, cu_k, context_lens = [0], [0], []
-    for seq in seqs:
-        start, end = seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens
-        input_ids.extend(seq.token_ids[start:end])
-        positions.extend(range(start, end))
-        cu_q.append(cu_q[-1] + end - start)
-        cu_k.append(cu_k[-1] + end)
-        context_lens.append(end)
-        slot_mapping.extend(seq.block_table[t // block_size] * block_size + t % block_size for t in range(start, end))
-    width = max(len(seq.block_table) for seq in seqs)
-    block_tables = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]
-    i32 = dict(dtype=torch.int32)
+    """The step's (input_ids [N], positions [N], ctx) for sequences with num_scheduled_tokens set.
+
+    Python touches each sequence once (a slice of its token ids, its block table); everything per
+    token (positions, slots) is computed by tensor ops, so the cost does not grow with the prompts.
+    """
+    cached = torch.tensor([s.num_cached_tokens for s in seqs])                       # [B] c_b
+    new = torch.tensor([s.num_scheduled_tokens for s in seqs])                       # [B] q_b
+    input_ids = torch.tensor(list(chain.from_iterable(
+        s.token_ids[s.num_cached_tokens:s.num_cached_tokens + s.num_scheduled_tokens] for s in seqs)))   # [N]
+    width = max(len(s.block_table) for s in seqs)
+    block_tables = torch.tensor([s.block_table + [-1] * (width - len(s.block_table)) for s in seqs],
+                                dtype=torch.int32)                                   # [B, M], -1 padded
+    cu_q = F.pad(new.cumsum(0), (1, 0))                                              # [B+1]
+    context_lens = cached + new                                                      # [B]
+    seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), new)             # [N]
+    positions = torch.arange(int(cu_q[-1])) - cu_q[seq_of_token] + cached[seq_of_token]   # [N]
+    blocks = block_tables.long()[seq_of_token, positions // block_size]              # [N] physical block
     ctx = AttentionContext(
-        cu_seqlens_q=torch.tensor(cu_q, **i32), cu_seqlens_k=torch.tensor(cu_k, **i32),
-        max_seqlen_q=max(b - a for a, b in zip(cu_q, cu_q[1:])), max_seqlen_k=max(context_lens),
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64), block_tables=torch.tensor(block_tables, **i32),
-        context_lens=torch.tensor(context_lens, **i32), is_prefill=any(s.num_scheduled_tokens > 1 for s in seqs))
-    return torch.tensor(input_ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64), ctx
+        cu_seqlens_q=cu_q.int(), cu_seqlens_k=F.pad(context_lens.cumsum(0), (1, 0)).int(),
+        max_seqlen_q=int(new.max()), max_seqlen_k=int(context_lens.max()),
+        slot_mapping=blocks * block_size + positions % block_size, block_tables=block_tables,
+        context_lens=context_lens.int(), is_prefill=bool((new > 1).any()))
+    return input_ids, positions, ctx
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -1,0 +1,50 @@
+"""Every 易错点 of lessons/e04_model_runner.md, planted into a copy of the reference."""
+
+from checks.plants import Plant
+
+PLANTS = [
+    Plant("positions_from_zero", "chunk / decode 的 positions 从 0 开始",
+          old="    positions = torch.arange(int(cu_q[-1])) - cu_q[seq_of_token] + cached[seq_of_token]   # [N]\n",
+          new="    positions = torch.arange(int(cu_q[-1])) - cu_q[seq_of_token]\n",
+          expect="positions 从 0 开始"),
+    Plant("cu_k_new_tokens_only", "cu_seqlens_k 只数了新 token，漏了 cache 里的前缀",
+          old="cu_seqlens_k=F.pad(context_lens.cumsum(0), (1, 0)).int(),",
+          new="cu_seqlens_k=cu_q.int(),",
+          expect="cu_seqlens_k 只数了新 token"),
+    Plant("slot_without_block_table", "slot_mapping 没有经过 block table",
+          old="slot_mapping=blocks * block_size + positions % block_size,",
+          new="slot_mapping=positions,",
+          expect="没有经过 block table"),
+    Plant("gather_div_mod_swapped", "读 cache 时把块号和块内偏移算反",
+          old="    blocks = block_tables.long()[seq_of_key, pos // block_size]                       # [K]: physical block\n"
+              "    return blocks * block_size + pos % block_size\n",
+          new="    blocks = block_tables.long()[seq_of_key, pos % block_size]\n"
+              "    return blocks * block_size + pos // block_size\n",
+          expect=None),
+    Plant("read_before_write", "先读 cache 再写入本步的新 K/V（decode 的 token 看不到自己）",
+          old="        store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)\n"
+              "        slots = gather_slots(ctx.block_tables, ctx.context_lens, self.k_cache.shape[1])\n"
+              "        keys = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)[slots]    # [K, nKV, D]\n"
+              "        values = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)[slots]\n",
+          new="        slots = gather_slots(ctx.block_tables, ctx.context_lens, self.k_cache.shape[1])\n"
+              "        keys = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)[slots]    # [K, nKV, D]\n"
+              "        values = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)[slots]\n"
+              "        store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)\n",
+          expect=None),
+    Plant("slot_not_zeroed", "GDN 槽位入场时没有清零",
+          old="        for layer in self.conv:\n            self.conv[layer][slot].zero_()\n            self.ssm[layer][slot].zero_()\n",
+          new="",
+          expect="入场不清零"),
+    Plant("state_not_committed", "GDN 状态算完没有写回状态池",
+          old="        if states is not None:\n            self.gdn_pool.commit(slots, states)\n",
+          new="",
+          expect=None),
+    Plant("token_loop_positions", "逐 token 的 Python 循环算 positions",
+          old="    positions = torch.arange(int(cu_q[-1])) - cu_q[seq_of_token] + cached[seq_of_token]   # [N]\n",
+          new="    positions = torch.tensor([t for s in seqs for t in range(s.num_cached_tokens, s.num_cached_tokens + s.num_scheduled_tokens)])\n",
+          expect="逐 token 的 Python 循环"),
+    Plant("sample_partial_prefill", "partial prefill 的行也做了采样",
+          old="        done = [i for i, s in enumerate(seqs) if s.num_cached_tokens + s.num_scheduled_tokens == s.num_tokens]\n",
+          new="        done = list(range(len(seqs)))\n",
+          expect="partial prefill 的行也做了采样"),
+]

@@ -1,0 +1,277 @@
+"""Checks for E04 · model runner (lessons/e04_model_runner.md).
+
+Oracles: hand-computed batch tensors (the card's example), m04's dense varlen attention, and the same
+m06 model run densely on each sequence's whole prefix (no cache, no state) — itself checked against HF.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from checks import hf_models
+from checks.kit import Rand, assert_close, assert_equal, impl, point
+
+MODULE = "e04_model_runner"
+
+
+def _seq(e02, tokens, cached=0, scheduled=0, table=()):
+    seq = e02.Sequence(list(tokens))
+    seq.num_cached_tokens, seq.num_scheduled_tokens, seq.block_table = cached, scheduled, list(table)
+    return seq
+
+
+@point("prepare_batch：prefill 块、带前缀的块与 decode 混在一批时的张量（卡片例子）")
+def test_prepare_batch_card_example():
+    m, e02 = impl(MODULE), impl("e02_block_manager")
+    # block size 4: A decodes its 7th token, B computes tokens 4..8 after a cached prefix, C is a fresh prompt
+    a = _seq(e02, range(100, 107), cached=6, scheduled=1, table=[3, 0])
+    b = _seq(e02, range(200, 209), cached=4, scheduled=5, table=[5, 1, 7])
+    c = _seq(e02, range(300, 303), cached=0, scheduled=3, table=[2])
+    ids, pos, ctx = m.prepare_batch([a, b, c], 4)
+    mistakes = {"positions": "positions 从 0 开始而不是从 num_cached_tokens 开始（chunked prefill / decode 的位置错了）"}
+    assert_equal(ids, torch.tensor([106, 204, 205, 206, 207, 208, 300, 301, 302]), what="input_ids")
+    assert_equal(pos, torch.tensor([6, 4, 5, 6, 7, 8, 0, 1, 2]), what="positions",
+                 looks_like=[(torch.tensor([0, 0, 1, 2, 3, 4, 0, 1, 2]), mistakes["positions"])])
+    assert_equal(ctx.cu_seqlens_q, torch.tensor([0, 1, 6, 9], dtype=torch.int32), what="cu_seqlens_q")
+    assert_equal(ctx.cu_seqlens_k, torch.tensor([0, 7, 16, 19], dtype=torch.int32), what="cu_seqlens_k",
+                 looks_like=[(torch.tensor([0, 1, 6, 9], dtype=torch.int32),
+                              "cu_seqlens_k 只数了新 token：key 要包括已经在 cache 里的前缀（num_cached_tokens + num_scheduled_tokens）")])
+    assert_equal(ctx.slot_mapping, torch.tensor([2, 4, 5, 6, 7, 28, 8, 9, 10]), what="slot_mapping",
+                 looks_like=[(torch.tensor([6, 4, 5, 6, 7, 8, 0, 1, 2]),
+                              "slot_mapping 用了逻辑位置，没有经过 block table：slot = block_table[t // P] * P + t % P")])
+    assert_equal(ctx.block_tables, torch.tensor([[3, 0, -1], [5, 1, 7], [2, -1, -1]], dtype=torch.int32),
+                 what="block_tables（按最长的表用 -1 补齐）")
+    assert_equal(ctx.context_lens, torch.tensor([7, 9, 3], dtype=torch.int32), what="context_lens")
+    assert (ctx.max_seqlen_q, ctx.max_seqlen_k) == (5, 9), "max_seqlen_q / max_seqlen_k"
+
+
+@point("paged attention：经 block table 读写的结果与连续 K/V 的 varlen attention 一致")
+def test_paged_attention_matches_dense():
+    m, m04 = impl(MODULE), impl("m04_attention")
+    r = Rand()
+    block, heads, kv_heads, dim = r.choice([2, 4, 8]), 4, 2, 8
+    num_blocks = 64
+    caches = [torch.zeros(num_blocks, block, kv_heads, dim) for _ in range(2)]
+    backend = m.PagedAttention(heads, dim, dim ** -0.5, kv_heads, *caches)
+    free = torch.randperm(num_blocks, generator=r.gen).tolist()           # scattered physical blocks
+    cached = [r.int(0, 9) for _ in range(3)] + [r.int(3, 9)]
+    new = [r.int(1, 6) for _ in range(3)] + [1]                           # the last one decodes
+    k_full = [r.randn(c + n, kv_heads, dim) for c, n in zip(cached, new)]
+    v_full = [r.randn(c + n, kv_heads, dim) for c, n in zip(cached, new)]
+    tables, slot_new = [], []
+    for c, n, kf, vf in zip(cached, new, k_full, v_full):
+        table = [free.pop() for _ in range((c + n + block - 1) // block)]
+        tables.append(table)
+        slots = [table[t // block] * block + t % block for t in range(c + n)]
+        for t in range(c):                                                # the cached prefix is already there
+            caches[0].view(-1, kv_heads, dim)[slots[t]] = kf[t]
+            caches[1].view(-1, kv_heads, dim)[slots[t]] = vf[t]
+        slot_new += slots[c:]
+    width = max(map(len, tables))
+    cu_q = torch.tensor([0] + new).cumsum(0).int()
+    cu_k = torch.tensor([0] + [c + n for c, n in zip(cached, new)]).cumsum(0).int()
+    ctx = m04.AttentionContext(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(new),
+                               max_seqlen_k=max(c + n for c, n in zip(cached, new)),
+                               slot_mapping=torch.tensor(slot_new),
+                               block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables]).int(),
+                               context_lens=torch.tensor([c + n for c, n in zip(cached, new)]).int())
+    q = r.randn(sum(new), heads, dim)
+    k_new = torch.cat([kf[c:] for kf, c in zip(k_full, cached)])
+    v_new = torch.cat([vf[c:] for vf, c in zip(v_full, cached)])
+    out = backend(q, k_new, v_new, ctx)
+    ref = m04.varlen_attention(q, torch.cat(k_full), torch.cat(v_full), cu_q, cu_k, dim ** -0.5)
+    assert_close(out, ref, what=f"paged attention（block={block}，前缀 {cached}，新 token {new}）", rand=r)
+    for kf, table, c, n in zip(k_full, tables, cached, new):
+        stored = caches[0].view(-1, kv_heads, dim)[[table[t // block] * block + t % block for t in range(c + n)]]
+        assert_close(stored, kf, what="写入 cache 的 K（store_kvcache 经 slot_mapping）", rand=r)
+
+
+def _tiny_model(family: str, r: Rand):
+    """Our m06 model with an HF tiny config and dummy weights (the m06 checks tie it to HF)."""
+    m06 = impl("m06_models")
+    config = hf_models.tiny_config(family, r, vocab=64)
+    return m06.init_dummy_weights(m06.build_model(config), seed=r.seed, std=0.15).eval()
+
+
+def _dense_last_logits(model, tokens: list[int]) -> torch.Tensor:
+    ctx = impl("m04_attention").AttentionContext.from_seqlens([len(tokens)])
+    with torch.no_grad():
+        hidden = model(torch.tensor(tokens), torch.arange(len(tokens)), ctx)
+        return model.compute_logits(hidden[-1:])[0]
+
+
+class _Capture:
+    """Stands in for the sampler: records the logits it is given and answers greedily."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, logits, params, generators):
+        self.calls.append(logits.clone())
+        return logits.argmax(dim=-1)
+
+
+def _drive(m, e02, model, prompts, budget: int, steps: int, block: int = 4):
+    """Run prompts through ModelRunner by hand: chunked prefill then decode, both in mixed batches.
+
+    Returns, per sequence, the list of (prefix tokens, logits) at every step where it sampled.
+    """
+    runner = m.ModelRunner(model, num_blocks=64, block_size=block, max_num_seqs=8)
+    runner.sampler = capture = _Capture()
+    manager = e02.BlockManager(64, block, enable_prefix_caching=False)
+    e02.Sequence.block_size = block
+    seqs = [e02.Sequence(p) for p in prompts]
+    for s in seqs:
+        manager.allocate(s)
+    seen = {s.seq_id: [] for s in seqs}
+    for _ in range(steps):
+        left, batch = budget, []
+        for s in seqs:
+            todo = s.num_tokens - s.num_cached_tokens
+            if todo and left:
+                s.num_scheduled_tokens = min(todo, left)
+                left -= s.num_scheduled_tokens
+                batch.append(s)
+        if not batch:
+            break
+        n_before = len(capture.calls)
+        tokens = runner.run(batch)
+        sampled = [s for s in batch if s.num_cached_tokens + s.num_scheduled_tokens == s.num_tokens]
+        logits = capture.calls[n_before] if len(capture.calls) > n_before else torch.empty(0)
+        for row, s in enumerate(sampled):
+            seen[s.seq_id].append((list(s.token_ids), logits[row]))
+        for s, t in zip(batch, tokens):
+            s.num_cached_tokens += s.num_scheduled_tokens
+            s.num_scheduled_tokens = 0
+            if s.num_cached_tokens == s.num_tokens:
+                s.append_token(t)
+                manager.may_append(s)
+    return runner, seqs, seen
+
+
+def _check_against_dense(family: str) -> None:
+    m, e02 = impl(MODULE), impl("e02_block_manager")
+    r = Rand()
+    model = _tiny_model(family, r)
+    dense = copy.deepcopy(model)
+    prompts = [r.randint(1, 64, (r.int(2, 11),)).tolist() for _ in range(3)]
+    _, _, seen = _drive(m, e02, model, prompts, budget=r.int(5, 9), steps=14)
+    total = 0
+    for history in seen.values():
+        for tokens, logits in history:
+            ref = _dense_last_logits(dense, tokens)
+            assert_close(logits, ref, what=f"{family}：第 {len(tokens)} 个位置的 logits（与整段重算对比）", rand=r,
+                         atol=1e-4, rtol=1e-4)
+            total += 1
+    assert total >= 6, f"只比较了 {total} 个位置：调度没有推进"
+
+
+@point("dense 模型：chunked prefill + decode 经 ModelRunner 的 logits 与整段重算一致")
+def test_runner_dense_model():
+    _check_against_dense("qwen3")
+
+
+@point("混合模型：Gated DeltaNet 状态池跨 chunk / decode 携带状态，logits 与整段重算一致")
+def test_runner_hybrid_model():
+    _check_against_dense("qwen3_5_text")
+
+
+@point("GDN 状态池：入场清零、结束或抢占时归还、槽位复用不串状态")
+def test_gdn_state_pool():
+    m, e02 = impl(MODULE), impl("e02_block_manager")
+    r = Rand()
+    model = _tiny_model("qwen3_5_text", r)
+    dense = copy.deepcopy(model)
+    pool = m.GDNStatePool(model, max_num_seqs=2)
+    layer = model.linear_layer_ids[0]
+    first, second = e02.Sequence([1, 2, 3]), e02.Sequence([4, 5])
+    slot_a = pool.allocate(first)
+    pool.conv[layer][slot_a].fill_(7.0)
+    pool.ssm[layer][slot_a].fill_(7.0)
+    pool.allocate(second)
+    try:
+        pool.allocate(e02.Sequence([6]))
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("状态池满了还能分配：max_num_seqs 个槽位用完时应报错")
+    pool.free(first)
+    third = e02.Sequence([8, 9])
+    slot_c = pool.allocate(third)
+    assert slot_c == slot_a, "归还的槽位应能被下一个序列复用"
+    assert not pool.conv[layer][slot_c].any() and not pool.ssm[layer][slot_c].any(), \
+        "复用的槽位没有清零：新序列会带着上一个序列的 conv / recurrent 状态开始（易错点：入场不清零）"
+    # a reused slot through the runner: the second request must not see the first one's state
+    _, _, seen = _drive(m, e02, model, [r.randint(1, 64, (5,)).tolist()], budget=8, steps=3)
+    runner, _, seen2 = _drive(m, e02, model, [r.randint(1, 64, (4,)).tolist()], budget=8, steps=3)
+    for tokens, logits in next(iter(seen2.values())):
+        assert_close(logits, _dense_last_logits(dense, tokens), what="复用槽位后的 logits", rand=r, atol=1e-4, rtol=1e-4)
+
+
+@point("只有算完全部 token 的序列才采样：partial prefill 不消耗随机数，带 seed 的结果与分块无关")
+def test_partial_prefill_draws_nothing():
+    m, e01, e02 = impl(MODULE), impl("e01_sampling"), impl("e02_block_manager")
+    r = Rand()
+    model = _tiny_model("qwen3", r)
+    prompt = r.randint(1, 64, (9,)).tolist()
+    results = []
+    for budget in (9, 2):                       # one prefill step vs five chunks
+        runner = m.ModelRunner(copy.deepcopy(model), num_blocks=32, block_size=4, max_num_seqs=2)
+        manager = e02.BlockManager(32, 4, enable_prefix_caching=False)
+        e02.Sequence.block_size = 4
+        seq = e02.Sequence(prompt, e01.SamplingParams(temperature=1.0, seed=1234))
+        manager.allocate(seq)
+        out = []
+        while len(out) < 4:
+            seq.num_scheduled_tokens = min(seq.num_tokens - seq.num_cached_tokens, budget)
+            token = runner.run([seq])[0]
+            seq.num_cached_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            if seq.num_cached_tokens == seq.num_tokens:
+                seq.append_token(token)
+                manager.may_append(seq)
+                out.append(token)
+        results.append(out)
+    assert results[0] == results[1], (f"同一个 seed、只是 prefill 分块不同，采样结果却不同：{results[0]} vs {results[1]}"
+                                      "\n  看起来像易错点：partial prefill 的行也做了采样，消耗了请求自己的随机数")
+
+
+def _line_events(fn, *args) -> int:
+    """How many Python lines run inside `fn` (and what it calls in exercise files)."""
+    import sys
+    count = 0
+
+    def tracer(frame, event, arg):
+        nonlocal count
+        if frame.f_globals.get("__name__", "").startswith("impl."):
+            if event == "line":
+                count += 1
+            return tracer
+        return None
+
+    sys.settrace(tracer)
+    try:
+        fn(*args)
+    finally:
+        sys.settrace(None)
+    return count
+
+
+@point("prepare_batch 没有逐 token 的 Python 循环：代价不随 prompt 变长而增长")
+def test_prepare_batch_has_no_token_loop():
+    m, e02 = impl(MODULE), impl("e02_block_manager")
+
+    def batch(scale):
+        lens = [3 * scale, 5 * scale, 1]
+        seqs = []
+        for i, n in enumerate(lens):
+            blocks = (n + 3) // 4
+            seqs.append(_seq(e02, range(n), cached=0 if i < 2 else n - 1, scheduled=n if i < 2 else 1,
+                             table=list(range(10 * i, 10 * i + blocks))))
+        return seqs
+
+    short, long = _line_events(m.prepare_batch, batch(2), 4), _line_events(m.prepare_batch, batch(40), 4)
+    assert long <= short + 2, (f"prompt 长 20 倍时 prepare_batch 执行的 Python 行数从 {short} 变成 {long}："
+                               "看起来像易错点：逐 token 的 Python 循环（positions / slot_mapping 应该用张量运算算出来）")
