@@ -190,3 +190,46 @@ def test_dummy_weights():
         assert torch.equal(la, lb), f"{family}: 同一个 seed 的 dummy 权重应给出相同的 logits"
         assert not torch.equal(la, lc), f"{family}: 不同 seed 的 dummy 权重应不同"
         assert 1e-3 < la.std() < 10, f"{family}: dummy logits 的尺度不合理（std={la.std():.3g}）"
+
+
+@point("卡片例子：key 映射与 qkv_proj / gate_up_proj / experts 的行偏移")
+def test_card_key_mapping_and_offsets():
+    m = impl(MODULE)
+    expected = {
+        "model.layers.0.self_attn.q_proj.weight": ("model.layers.0.self_attn.qkv_proj.weight", ("q",)),
+        "model.layers.0.self_attn.k_proj.weight": ("model.layers.0.self_attn.qkv_proj.weight", ("k",)),
+        "model.layers.0.self_attn.q_norm.weight": ("model.layers.0.self_attn.q_norm.weight", ()),
+        "model.layers.0.mlp.up_proj.weight": ("model.layers.0.mlp.gate_up_proj.weight", (1,)),
+        "model.layers.1.mlp.gate.weight": ("model.layers.1.mlp.gate.weight", ()),
+        "model.layers.1.mlp.experts.7.gate_proj.weight": ("model.layers.1.mlp.experts.gate_up_proj", ("expert", 7, "gate")),
+        "model.layers.1.mlp.experts.7.down_proj.weight": ("model.layers.1.mlp.experts.down_proj", ("expert", 7, "down")),
+        "model.language_model.embed_tokens.weight": ("model.embed_tokens.weight", ()),
+        "model.language_model.layers.3.mlp.experts.gate_up_proj": ("model.layers.3.mlp.experts.gate_up_proj", ()),
+        "model.language_model.layers.3.mlp.shared_expert.up_proj.weight":
+            ("model.layers.3.mlp.shared_expert.gate_up_proj.weight", (1,)),
+        "thinker.model.layers.0.mlp.experts.2.up_proj.weight": ("model.layers.0.mlp.experts.gate_up_proj", ("expert", 2, "up")),
+        "thinker.lm_head.weight": ("lm_head.weight", ()),
+        "mtp.layers.0.mlp.gate.weight": None,
+        "model.visual.blocks.0.attn.qkv.weight": None,
+        "talker.model.norm.weight": None,
+        "thinker.audio_tower.conv1.weight": None,
+    }
+    for key, want in expected.items():
+        got = m.map_checkpoint_key(key)
+        got = None if got is None else (got[0], tuple(got[1]))
+        assert got == want, f"map_checkpoint_key({key!r}) 应为 {want}，得到 {got}"
+    from transformers import Qwen3Config
+    config = Qwen3Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16)
+    model = m.build_model(config)
+    qkv = model.model.layers[0].self_attn.qkv_proj.weight.data
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    for shard, first, rows in ((("q",), 0, 64), (("k",), 64, 32), (("v",), 96, 32)):
+        view = m.shard_view(model, name, qkv, shard)
+        start = (view.data_ptr() - qkv.data_ptr()) // (qkv.element_size() * qkv.shape[1])
+        assert (start, view.shape[0]) == (first, rows), f"qkv_proj 的 {shard} 应占 rows {first}..{first + rows - 1}，得到从 {start} 起 {view.shape[0]} 行"
+    gate_up = model.model.layers[0].mlp.gate_up_proj.weight.data
+    for shard, first in (((0,), 0), ((1,), 64)):
+        view = m.shard_view(model, "model.layers.0.mlp.gate_up_proj.weight", gate_up, shard)
+        start = (view.data_ptr() - gate_up.data_ptr()) // (gate_up.element_size() * gate_up.shape[1])
+        assert (start, view.shape[0]) == (first, 64), f"gate_up_proj 的 {shard} 应从 row {first} 开始，得到 {start}"

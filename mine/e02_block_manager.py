@@ -45,25 +45,20 @@ class SequenceStatus(Enum):
     FINISHED = auto()
 
 
-@dataclass(eq=False, repr=False)
 class Sequence:
     """One request: prompt + completion token ids, its block table and its progress through the cache.
 
     num_cached_tokens: tokens whose KV is already in the cache (prefix-cache hits + computed in earlier steps).
     num_scheduled_tokens: tokens to compute in the current step (set by the scheduler).
     """
-    token_ids: list[int]
-    sampling_params: SamplingParams | None = None
-
     block_size = 16          # class attribute: the engine sets it to the KV cache block size
     counter = count()        # global source of seq ids
 
-    def __post_init__(self):
-        if not self.token_ids:
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None):
+        if not token_ids:
             raise ValueError("a sequence needs at least one token (empty prompt)")
-        self.token_ids = list(self.token_ids)            # our own copy: it grows as tokens are generated
-        if self.sampling_params is None:
-            self.sampling_params = SamplingParams()
+        self.token_ids = list(token_ids)                 # our own copy: it grows as tokens are generated
+        self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
         self.seq_id = next(Sequence.counter)
         self.status = SequenceStatus.WAITING
         self.last_token = self.token_ids[-1]

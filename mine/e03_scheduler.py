@@ -23,6 +23,8 @@ Order inside one step (first come, first served; nothing starves):
 postprocess, after the model step: num_cached_tokens += num_scheduled_tokens; only a sequence whose
 tokens are now ALL computed samples (appends) a token; a partial prefill chunk samples nothing. Then it
 finishes on eos (unless ignore_eos), a stop token, max_tokens completion tokens or max_model_len.
+
+Lesson: lessons/e03_scheduler.md (#10, book §E.3).
 """
 
 from __future__ import annotations

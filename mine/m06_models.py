@@ -31,7 +31,7 @@ from safetensors import safe_open
 from torch import nn
 
 from .m01_rmsnorm import GemmaRMSNorm, RMSNorm
-from .m02_rope import rope_from_config
+from .m02_rope import RotaryEmbedding, rope_from_config
 from .m03_sparse_moe import MoEWeights, SharedExpert, moe_forward
 from .m04_attention import AttentionContext, GatedAttention, Qwen3Attention
 from .m05_gated_deltanet import GatedDeltaNet, GDNState
@@ -86,7 +86,7 @@ class SparseMoeBlock(nn.Module):
 class DecoderLayer(nn.Module):
     """One pre-norm decoder layer; which mixer, norm and MLP it holds depends on the model family."""
 
-    def __init__(self, config, layer_idx: int, hybrid: bool, moe_every_layer: bool):
+    def __init__(self, config, layer_idx: int, hybrid: bool, moe_every_layer: bool, rotary: RotaryEmbedding):
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         norm = GemmaRMSNorm if hybrid else RMSNorm
@@ -100,7 +100,7 @@ class DecoderLayer(nn.Module):
         else:
             attention = GatedAttention if hybrid else Qwen3Attention
             self.self_attn = attention(h, config.num_attention_heads, config.num_key_value_heads, head_dim, eps,
-                                       rope_from_config(config))
+                                       rotary)
         num_experts = getattr(config, "num_experts", 0) or 0
         sparse = num_experts > 0 and (moe_every_layer or (
             layer_idx not in (getattr(config, "mlp_only_layers", None) or [])
@@ -124,7 +124,8 @@ class Backbone(nn.Module):
     def __init__(self, config, hybrid: bool, moe_every_layer: bool):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, hybrid, moe_every_layer)
+        rotary = rope_from_config(config)     # one fp32 cos/sin table shared by every attention layer
+        self.layers = nn.ModuleList(DecoderLayer(config, i, hybrid, moe_every_layer, rotary)
                                     for i in range(config.num_hidden_layers))
         self.norm = (GemmaRMSNorm if hybrid else RMSNorm)(config.hidden_size, config.rms_norm_eps)
 
@@ -187,10 +188,18 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
 
 
 def text_config(config):
-    """The text part of a wrapper config (qwen3_5 / qwen3_5_moe: text_config; qwen3_omni_moe: the thinker's)."""
+    """The text part of a wrapper config (qwen3_5 / qwen3_5_moe: text_config; qwen3_omni_moe: the thinker's).
+
+    A wrapper may set tie_word_embeddings at its own level (HF ties from there): it is carried over.
+    """
     if getattr(config, "thinker_config", None) is not None:
         config = config.thinker_config
-    return getattr(config, "text_config", None) or config
+    inner = getattr(config, "text_config", None)
+    if inner is None:
+        return config
+    if getattr(config, "tie_word_embeddings", False):
+        inner.tie_word_embeddings = True
+    return inner
 
 
 def build_model(config) -> CausalLM:
@@ -227,7 +236,12 @@ def from_pretrained(path: str | Path, dtype: torch.dtype = torch.float32) -> Cau
     """Build the model of an HF folder (config.json + safetensors) and load its weights."""
     from transformers import AutoConfig
     config = AutoConfig.from_pretrained(path)
-    model = build_model(config).to(dtype)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)            # build in the target dtype: no fp32 copy of a large model
+    try:
+        model = build_model(config)
+    finally:
+        torch.set_default_dtype(default)
     load_checkpoint(model, path)
     return model.eval()
 

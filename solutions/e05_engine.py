@@ -78,10 +78,12 @@ class LLM:
         self.requests: dict[int, Sequence] = {}
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None) -> int:
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | dict | None = None) -> int:
         """Queue one request and return its id; invalid input raises ValueError and queues nothing."""
         if sampling_params is None:
             sampling_params = SamplingParams()
+        if isinstance(sampling_params, dict):         # SamplingParams validates: a bad value is a ValueError
+            sampling_params = SamplingParams(**sampling_params)
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         token_ids = self._encode(prompt)

@@ -1,0 +1,177 @@
+"""Checks for E05 · the engine loop (lessons/e05_engine.md): the end-to-end tests that matter.
+
+Oracle: HF `generate` (greedy, eager, fp32, explicit attention_mask, no eos) on the same checkpoint,
+one prompt at a time; and the engine's own unconstrained run for the stress test.
+"""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from checks import hf_models
+from checks.kit import Rand, impl, point
+
+MODULE = "e05_engine"
+NEW_TOKENS = 32
+pytestmark = pytest.mark.timeout(240)
+
+
+@functools.lru_cache(maxsize=None)
+def _case(family: str, seed: int):
+    """A tiny HF model of `family` saved to a folder, 8+ prompts (some sharing a prefix) and HF's greedy answers."""
+    r = Rand(seed)
+    config = hf_models.tiny_config(family, r, vocab=80, layers=2)
+    hf = hf_models.hf_model(family, config, r)
+    shared = r.randint(1, 80, (12,)).tolist()
+    prompts = [r.randint(1, 80, (r.int(1, 20),)).tolist() for _ in range(6)]
+    prompts += [shared + r.randint(1, 80, (r.int(1, 6),)).tolist() for _ in range(3)]
+    refs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+                              pad_token_id=0, eos_token_id=None)
+            refs.append(out[0, len(p):].tolist())
+    folder = Path(tempfile.mkdtemp(prefix=f"course-e05-{family}-"))
+    hf_models.save_hf(hf, folder)
+    return folder, prompts, refs
+
+
+def _greedy(e01, n=NEW_TOKENS):
+    return e01.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def _run(family: str, r: Rand, **engine_kwargs):
+    m, e01 = impl(MODULE), impl("e01_sampling")
+    folder, prompts, refs = _case(family, r.seed)
+    llm = m.LLM(str(folder), **engine_kwargs)
+    outs = llm.generate(prompts, _greedy(e01))
+    return llm, prompts, refs, outs
+
+
+def _assert_same(outs, refs, prompts, what: str, r: Rand) -> None:
+    for i, (out, ref) in enumerate(zip(outs, refs)):
+        assert out.error is None, f"{what}：请求 {i} 出错：{out.error}"
+        if out.token_ids != ref:
+            diverge = next((j for j, (a, b) in enumerate(zip(out.token_ids, ref)) if a != b), min(len(ref), len(out.token_ids)))
+            raise AssertionError(f"{what}：请求 {i}（prompt 长 {len(prompts[i])}）从第 {diverge} 个新 token 起与 HF generate 不同\n"
+                                 f"  得到 {out.token_ids}\n  期望 {ref}\n  {r}")
+
+
+@point("greedy 输出与 HF generate 逐 token 一致（qwen3 / qwen3_moe / qwen3_5_moe_text，9 条不同长度的 prompt，32 个新 token）")
+def test_greedy_matches_hf():
+    r = Rand()
+    for family in ("qwen3", "qwen3_moe", "qwen3_5_moe_text"):
+        llm, prompts, refs, outs = _run(family, r)
+        _assert_same(outs, refs, prompts, f"{family} 的 greedy 输出", r)
+
+
+@point("prefix 共享：命中的 block 数 > 0，输出不变")
+def test_prefix_cache_hits():
+    r = Rand()
+    llm, prompts, refs, outs = _run("qwen3", r, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    _assert_same(outs, refs, prompts, "prefix caching 打开时的输出", r)
+    hits = llm.stats["prefix_hit_blocks"]
+    assert hits > 0, f"3 条 prompt 共享 12 个 token 的前缀，却没有一个 block 命中 prefix cache（stats={llm.stats}）"
+
+
+@point("chunked prefill：max_num_batched_tokens 小到必须分块，输出不变")
+def test_chunked_prefill():
+    r = Rand()
+    for family in ("qwen3", "qwen3_5_moe_text"):
+        llm, prompts, refs, outs = _run(family, r, max_num_batched_tokens=8, max_num_seqs=4, block_size=4)
+        _assert_same(outs, refs, prompts, f"{family}：token 预算 8 时的输出", r)
+
+
+@point("抢占：KV 池很小，发生了抢占（计数 > 0），输出不变，block 全部归还")
+def test_preemption():
+    r = Rand()
+    for family in ("qwen3", "qwen3_5_moe_text"):
+        llm, prompts, refs, outs = _run(family, r, block_size=4, num_kvcache_blocks=14, max_num_seqs=6,
+                                        max_num_batched_tokens=32)
+        _assert_same(outs, refs, prompts, f"{family}：14 个 KV block 时的输出", r)
+        stats = llm.stats
+        assert stats["preemptions"] > 0, f"{family}：KV 池只有 14 个 block 却没有发生抢占（stats={stats}）"
+        assert stats["free_blocks"] == stats["total_blocks"], f"{family}：结束后 block 没有全部归还（stats={stats}）"
+
+
+@point("压力测试：300+ 个请求、很小的 KV 池，全部完成且与不受限运行逐 token 一致，block 全部归还")
+def test_stress():
+    m, e01, m06 = impl(MODULE), impl("e01_sampling"), impl("m06_models")
+    r = Rand()
+    config = hf_models.tiny_config("qwen3", r, vocab=64, layers=1)
+    model = m06.init_dummy_weights(m06.build_model(config), seed=r.seed, std=0.2).eval()
+    prompts = [r.randint(0, 64, (r.int(1, 12),)).tolist() for _ in range(320)]
+    params = [e01.SamplingParams(temperature=0.0, max_tokens=r.int(1, 10), ignore_eos=True) if i % 3 else
+              e01.SamplingParams(temperature=1.0, top_k=8, seed=i, max_tokens=r.int(1, 10), ignore_eos=True)
+              for i in range(len(prompts))]
+    free = m.LLM(model, max_num_seqs=64, num_kvcache_blocks=512, block_size=4).generate(prompts, params)
+    tight = m.LLM(model, max_num_seqs=16, num_kvcache_blocks=12, block_size=4, max_num_batched_tokens=24)
+    outs = tight.generate(prompts, params)
+    for i, (a, b) in enumerate(zip(outs, free)):
+        assert a.error is None and a.finished, f"请求 {i} 没有完成：{a}"
+        assert a.token_ids == b.token_ids, (f"请求 {i}：小 KV 池（有抢占）与不受限运行的输出不同：{a.token_ids} vs {b.token_ids}；{r}")
+    stats = tight.stats
+    assert stats["preemptions"] > 0, f"12 个 block 的池子应该逼出抢占（stats={stats}）"
+    assert stats["free_blocks"] == stats["total_blocks"], f"结束后有 block 没归还（泄漏）：{stats}"
+
+
+@point("坏输入：空 prompt、超长 prompt、越界 token id、非法采样参数各自报清楚的错，其余请求照常完成")
+def test_bad_input_is_isolated():
+    m, e01 = impl(MODULE), impl("e01_sampling")
+    r = Rand()
+    folder, prompts, refs = _case("qwen3", r.seed)
+    llm = m.LLM(str(folder), max_model_len=64)
+    good = _greedy(e01)
+    batch = [prompts[0], [], list(range(1, 70)), [5, 80, 3], prompts[1]]
+    params = [good, good, good, good, good]
+    outs = llm.generate(batch, params)
+    _assert_same([outs[0], outs[4]], [refs[0], refs[1]], [prompts[0], prompts[1]], "坏请求旁边的正常请求", r)
+    for i, needle in ((1, "empty"), (2, "max_model_len"), (3, "vocab")):
+        assert outs[i].error and needle in outs[i].error, f"坏请求 {i} 的错误信息应提到 {needle!r}，得到 {outs[i].error!r}"
+        assert outs[i].token_ids == [], f"坏请求 {i} 不应产生 token"
+    outs = llm.generate([prompts[0], prompts[1]], [dict(temperature=-1.0), good])
+    assert outs[0].error and "temperature" in outs[0].error, f"非法 temperature 的错误信息：{outs[0].error!r}"
+    _assert_same([outs[1]], [refs[1]], [prompts[1]], "非法采样参数旁边的正常请求", r)
+    with pytest.raises(ValueError, match="empty"):
+        llm.add_request([], good)
+    assert not llm.has_unfinished(), "被拒绝的请求不应留在队列里"
+
+
+@point("streaming：逐 token 产出，按请求拼起来等于 generate 的结果")
+def test_streaming():
+    m, e01 = impl(MODULE), impl("e01_sampling")
+    r = Rand()
+    folder, prompts, refs = _case("qwen3", r.seed)
+    llm = m.LLM(str(folder), max_num_batched_tokens=16, max_num_seqs=8)
+    got = {i: [] for i in range(len(prompts))}
+    finished, events = set(), 0
+    for index, token, done, error in llm.stream(prompts, _greedy(e01)):
+        assert error is None and index not in finished, f"请求 {index} 结束后又产出了 token"
+        got[index].append(token)
+        events += 1
+        if done:
+            finished.add(index)
+    assert finished == set(got), "有请求没有收到 finished 事件"
+    assert events == NEW_TOKENS * len(prompts)
+    _assert_same([type("O", (), {"token_ids": got[i], "error": None}) for i in got], refs, prompts, "stream 的输出", r)
+
+
+@point("文本进出：有 tokenizer 时接受字符串、返回解码后的文本")
+def test_text_in_text_out():
+    m, e01, m06 = impl(MODULE), impl("e01_sampling"), impl("m06_models")
+    from course.tiny_tokenizer import byte_tokenizer
+    tok = byte_tokenizer()
+    r = Rand()
+    config = hf_models.tiny_config("qwen3", r, vocab=len(tok), layers=1)
+    model = m06.init_dummy_weights(m06.build_model(config), seed=r.seed).eval()
+    llm = m.LLM(model, tokenizer=tok)
+    out = llm.generate(["你好，Qwen"], _greedy(e01, 6))[0]
+    assert out.prompt_token_ids == tok.encode("你好，Qwen"), "字符串 prompt 应该用 tokenizer 编码"
+    assert len(out.token_ids) == 6 and out.text == tok.decode(out.token_ids, skip_special_tokens=True), \
+        f"输出文本应是生成 token 的解码：{out}"

@@ -1,0 +1,306 @@
+"""M07 · Tensor parallel: column / row / QKV / merged parallel linear, vocab-parallel embedding and LM head.
+
+Megatron-style tensor parallelism over tp ranks (rank r of tp). Every rank sees the same input x [N, H];
+a weight W [out, in] (F.linear layout) is cut in one of two ways:
+
+    column parallel  W_r = W[r*out/tp : (r+1)*out/tp, :]   y_r = x W_r^T   [N, out/tp]   no communication
+    row parallel     W_r = W[:, r*in/tp : (r+1)*in/tp]     y   = all_reduce_r(x_r W_r^T) + b   [N, out]
+
+A column layer followed by a row layer needs exactly one all-reduce: the column output y_r is already
+the slice x_r the row layer expects. Attention: qkv_proj by heads (column), o_proj row. MLP: gate_up
+column, down row. MoE: every expert's intermediate dim I is split (gate_up [E, 2I/tp, H], down
+[E, H, I/tp]); the routed and shared outputs are partial sums, so one all-reduce follows the block.
+
+Packed weights are split per part, never as one tensor: qkv_proj keeps this rank's heads of q, of k and
+of v; gate_up_proj keeps this rank's rows of gate and of up. The vocabulary is split in contiguous
+shards of ceil(V/tp) rows: the embedding zeroes ids outside its shard and all-reduces, the LM head
+all-gathers its logit columns. Each parameter carries weight_loader(param, full_tensor, shard) -> number
+of values written, which m06's load_checkpoint calls with the full HF tensor.
+
+At tp = 1 every layer equals nn.Linear / nn.Embedding and never calls torch.distributed.
+
+Lesson: lessons/m07_tensor_parallel.md (#7 · 书 §M.7).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .m04_attention import GatedAttention
+from .m06_models import SparseMoeBlock
+
+
+def tp_info() -> tuple[int, int]:
+    """(rank, world_size) of the default process group when torch.distributed is initialised, else (0, 1)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _divide(total: int, parts: int, what: str) -> int:
+    if total % parts:
+        raise ValueError(f"{what} = {total} is not divisible by the tensor parallel size {parts}")
+    return total // parts
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_r = x W_r^T (+ b_r): this rank's output_size / tp rows of W [output_size, input_size]."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        """weight [output_size / tp, input_size] (bias [output_size / tp]), each with weight.weight_loader."""
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_info()
+        self.input_size, self.output_size = input_size, output_size
+        rows = _divide(output_size, self.tp_size, "output_size")
+        self.weight = nn.Parameter(torch.empty(rows, input_size))
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(rows))
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple = ()) -> int:
+        """loaded [output_size, ...] (weight or bias): keep rows rank*rows .. (rank+1)*rows. Returns numel."""
+        rows = param.shape[0]
+        param.data.copy_(loaded.narrow(0, self.tp_rank * rows, rows))
+        return param.numel()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, input_size] (replicated) -> [N, output_size / tp] (this rank's columns of y)."""
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matmul (gate_up_proj): local rows = [part 0 slice | part 1 slice]."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+        """Each output size is split across ranks on its own, so part i of every rank stays aligned."""
+        tp_size = tp_info()[1]
+        for i, size in enumerate(output_sizes):
+            _divide(size, tp_size, f"output_sizes[{i}]")
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple = ()) -> int:
+        """shard (i,): loaded is part i in full [output_sizes[i], ...]; its rank slice goes to local part i."""
+        i = shard[0]
+        size = self.output_sizes[i] // self.tp_size                 # this rank's rows of part i
+        offset = sum(self.output_sizes[:i]) // self.tp_size          # where part i starts in the local rows
+        target = param.data.narrow(0, offset, size)
+        target.copy_(loaded.narrow(0, self.tp_rank * size, size))
+        return target.numel()
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """qkv_proj split by heads: local rows = [q of my heads | k of my kv heads | v of my kv heads]."""
+
+    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int,
+                 bias: bool = False, q_head_size_factor: int = 1):
+        """num_heads / num_kv_heads = totals / tp; q rows per head = q_head_size_factor * head_size
+        (2 for gated attention, whose q_proj rows are per head [q_h | gate_h])."""
+        tp_size = tp_info()[1]
+        self.head_size, self.q_head_size_factor = head_size, q_head_size_factor
+        self.num_heads = _divide(total_num_heads, tp_size, "num_attention_heads")
+        self.num_kv_heads = _divide(total_num_kv_heads, tp_size, "num_key_value_heads")
+        rows = (total_num_heads * q_head_size_factor + 2 * total_num_kv_heads) * head_size
+        super().__init__(hidden_size, rows, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple = ()) -> int:
+        """shard ("q",) / ("k",) / ("v",): loaded is the full q_proj / k_proj / v_proj; keep this rank's heads."""
+        q_rows = self.num_heads * self.q_head_size_factor * self.head_size
+        kv_rows = self.num_kv_heads * self.head_size
+        offset, size = {"q": (0, q_rows), "k": (q_rows, kv_rows), "v": (q_rows + kv_rows, kv_rows)}[shard[0]]
+        target = param.data.narrow(0, offset, size)
+        target.copy_(loaded.narrow(0, self.tp_rank * size, size))     # heads rank*n .. (rank+1)*n of this part
+        return target.numel()
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_r W_r^T) + b: this rank's input_size / tp columns of W; the input is already split."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        """weight [output_size, input_size / tp]; bias [output_size] is replicated and added once."""
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_info()
+        self.input_size, self.output_size = input_size, output_size
+        cols = _divide(input_size, self.tp_size, "input_size")
+        self.weight = nn.Parameter(torch.empty(output_size, cols))
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size))
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple = ()) -> int:
+        """Weight: keep columns rank*cols .. (rank+1)*cols of loaded [output_size, input_size]; bias: all of it."""
+        if param.dim() == 1:
+            param.data.copy_(loaded)
+        else:
+            cols = param.shape[1]
+            param.data.copy_(loaded.narrow(1, self.tp_rank * cols, cols))
+        return param.numel()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, input_size / tp] (this rank's slice) -> [N, output_size], the same on every rank."""
+        y = F.linear(x, self.weight)                                 # [N, out]: a partial sum
+        if self.tp_size > 1:
+            dist.all_reduce(y)                                       # sum over ranks
+        if self.bias is not None:
+            y = y + self.bias                                        # once, after the sum
+        return y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows vocab_start .. vocab_end of the embedding table (shards of ceil(V / tp) rows, the last zero-padded)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        """weight [ceil(V / tp), embedding_dim] with weight.weight_loader; vocab_start / vocab_end of this rank."""
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_info()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.shard_size = -(-num_embeddings // self.tp_size)                   # ceil(V / tp)
+        self.vocab_start = min(self.tp_rank * self.shard_size, num_embeddings)
+        self.vocab_end = min(self.vocab_start + self.shard_size, num_embeddings)
+        self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim))
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple = ()) -> int:
+        """loaded [V, ...]: rows vocab_start .. vocab_end, then zeros for the padding rows. Returns numel."""
+        rows = self.vocab_end - self.vocab_start
+        param.data[:rows].copy_(loaded[self.vocab_start:self.vocab_end])
+        param.data[rows:].zero_()
+        return param.numel()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [N] (any id of the full vocabulary) -> [N, embedding_dim], the same on every rank."""
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        mine = (ids >= self.vocab_start) & (ids < self.vocab_end)
+        local = torch.where(mine, ids - self.vocab_start, 0)                     # other ranks' ids read row 0 ...
+        y = F.embedding(local, self.weight)                                      # [N, embedding_dim]
+        y = y.masked_fill(~mine[:, None], 0)                                     # ... and are zeroed here
+        dist.all_reduce(y)                                                       # exactly one rank holds each id
+        return y
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """logits = hidden W^T over the full vocabulary: each rank computes its shard's columns, then all-gather."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False):
+        """The embedding's shard of W [V, H] (tied: the very same Parameter); bias [ceil(V / tp)] if asked."""
+        super().__init__(num_embeddings, embedding_dim)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.shard_size))
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] on every rank."""
+        logits = F.linear(hidden, self.weight, self.bias)                       # [N, ceil(V / tp)]
+        if self.tp_size == 1:
+            return logits
+        parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
+        dist.all_gather(parts, logits)
+        return torch.cat(parts, dim=-1)[:, :self.num_embeddings]                 # drop the padding columns
+
+
+class ParallelExperts(nn.Module):
+    """m06's fused experts with the intermediate dim split: gate_up_proj [E, 2I/tp, H], down_proj [E, H, I/tp]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        """Local layout per expert: gate_up_proj[e] = [gate rows of this rank | up rows of this rank]."""
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_info()
+        inter = _divide(intermediate_size, self.tp_size, "moe_intermediate_size")
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, inter))
+        self.gate_up_proj.weight_loader = self.down_proj.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple = ()) -> int:
+        """shard ("expert", e, "gate" | "up" | "down"): loaded gate/up [I, H] or down [H, I] of expert e."""
+        _, e, part = shard
+        inter = self.down_proj.shape[-1]
+        if part == "down":                                           # [H, I]: the intermediate dim is dim 1
+            target, piece = param.data[e], loaded.narrow(1, self.tp_rank * inter, inter)
+        else:                                                        # [I, H]: the intermediate dim is dim 0
+            target = param.data[e, :inter] if part == "gate" else param.data[e, inter:]
+            piece = loaded.narrow(0, self.tp_rank * inter, inter)
+        target.copy_(piece)
+        return target.numel()
+
+
+def _all_reduce_output(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """Forward hook: the block's output is a partial sum on every rank; make it the full sum."""
+    dist.all_reduce(output)
+    return output
+
+
+def _swap(parent: nn.Module, name: str, new: nn.Module) -> None:
+    """parent.<name> = new, with new's parameters in the dtype and on the device of the module it replaces."""
+    old = next(getattr(parent, name).parameters())
+    setattr(parent, name, new.to(device=old.device, dtype=old.dtype))
+
+
+def _parallel_attention(attn: nn.Module) -> None:
+    """qkv_proj -> QKVParallelLinear, o_proj -> RowParallelLinear; head counts (module and backend) / tp."""
+    tp_size = tp_info()[1]
+    hidden = attn.o_proj.out_features
+    factor = 2 if isinstance(attn, GatedAttention) else 1            # gated q rows: per head [q_h | gate_h]
+    _swap(attn, "qkv_proj", QKVParallelLinear(hidden, attn.head_dim, attn.num_heads, attn.num_kv_heads,
+                                              attn.qkv_proj.bias is not None, factor))
+    _swap(attn, "o_proj", RowParallelLinear(attn.o_proj.in_features, hidden, attn.o_proj.bias is not None))
+    attn.num_heads, attn.num_kv_heads = attn.num_heads // tp_size, attn.num_kv_heads // tp_size
+    attn.q_size, attn.kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+    attn.attn.num_heads, attn.attn.num_kv_heads = attn.num_heads, attn.num_kv_heads
+
+
+def _parallel_mlp(mlp: nn.Module) -> None:
+    """Dense MLP: gate_up column (merged), down row. MoE: experts split on I, the router replicated."""
+    if isinstance(mlp, SparseMoeBlock):
+        num_experts, _, hidden = mlp.experts.gate_up_proj.shape
+        _swap(mlp, "experts", ParallelExperts(num_experts, hidden, mlp.experts.down_proj.shape[-1]))
+        if mlp.shared_expert is not None:
+            _parallel_mlp(mlp.shared_expert)       # the block reads its weights: down_proj never all-reduces
+        mlp.register_forward_hook(_all_reduce_output)   # routed + shared partial sums: one all-reduce
+        return
+    hidden, inter = mlp.gate_up_proj.in_features, mlp.down_proj.in_features
+    _swap(mlp, "gate_up_proj", MergedColumnParallelLinear(hidden, [inter, inter]))
+    _swap(mlp, "down_proj", RowParallelLinear(inter, hidden))
+
+
+def tensor_parallel(model: nn.Module, rank: int | None = None, world_size: int | None = None) -> nn.Module:
+    """Rewrite an m06 model in place for this rank, before its weights are loaded; returns the model.
+
+    rank / world_size default to tp_info(). world_size 1: the model is returned untouched (no
+    torch.distributed call at all). Otherwise torch.distributed must already run with exactly this rank
+    and world size. Gated DeltaNet layers are not supported (ValueError).
+    """
+    if world_size == 1:
+        return model
+    actual = tp_info()
+    rank = actual[0] if rank is None else rank
+    world_size = actual[1] if world_size is None else world_size
+    if world_size == 1:
+        return model
+    if (rank, world_size) != actual:
+        raise ValueError(f"tensor_parallel(rank={rank}, world_size={world_size}) needs torch.distributed "
+                         f"initialised with that rank and world size first; it runs as {actual}")
+    layers = model.model.layers
+    if any(layer.is_linear for layer in layers):
+        raise ValueError("tensor parallel for Gated DeltaNet layers is not supported")
+    for layer in layers:
+        _parallel_attention(layer.self_attn)
+        _parallel_mlp(layer.mlp)
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    vocab, hidden = model.model.embed_tokens.weight.shape
+    _swap(model.model, "embed_tokens", VocabParallelEmbedding(vocab, hidden))
+    _swap(model, "lm_head", ParallelLMHead(vocab, hidden, model.lm_head.bias is not None))
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
