@@ -7,6 +7,7 @@
     ./check.sh show m03             the card, rendered in the terminal
     ./check.sh watch m03            re-grade whenever the file is saved
     ./check.sh reset m03            restore the stub (your file is kept in mine/.backup/)
+    ./check.sh run --prompt TEXT    assemble the engine (your passed exercises + references) and generate
     ./check.sh selftest             the project's own test suite
 """
 
@@ -211,7 +212,7 @@ def selftest(args: list[str]) -> int:
 
 
 def not_yet(command: str) -> int:
-    say(f"[yellow]./check.sh {command}：引擎总装尚未发布（Track E / G 完成后提供）。[/]")
+    say(f"[yellow]./check.sh {command}：GPU 总装与 benchmark 尚未发布（Track K / G 完成后提供）。[/]")
     return 2
 
 
@@ -222,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     command = argv[0]
     if command == "selftest":
         return selftest(argv[1:])
+    if command == "run":
+        from . import run
+        return run.main(argv[1:], say)
     parser = argparse.ArgumentParser(prog="./check.sh", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command")
@@ -242,6 +246,6 @@ def main(argv: list[str] | None = None) -> int:
         return reset(args.exercise)
     if command == "all":
         return grade_all(args.solutions)
-    if command in ("run", "gpu", "bench"):
+    if command in ("gpu", "bench"):
         return not_yet(command)
     return grade_one(command, args.solutions)

@@ -56,9 +56,16 @@ def test_show_renders_the_card():
         assert section in out.stdout, section
 
 
-def test_engine_commands_say_not_yet():
-    out = cli("run")
+def test_gpu_commands_say_not_yet():
+    out = cli("bench")
     assert out.returncode == 2 and "尚未发布" in out.stdout
+
+
+def test_run_generates_offline_and_names_the_files(state_dir):
+    out = cli("run", "--prompt", "你好", "--max-tokens", "5", env_extra=state_dir)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for fragment in ("solutions/m06_models.py", "solutions/e05_engine.py", "5 tokens"):
+        assert fragment in out.stdout, fragment
 
 
 def _copy_repo(tmp_path):
@@ -86,3 +93,18 @@ def test_passing_mine_is_recorded_and_reset_restores_the_stub(tmp_path, state_di
     assert len(backups) == 1 and "index_add_" in backups[0].read_text()
     stub_out = cli("m03", cwd=repo, env_extra=state_dir)
     assert stub_out.returncode == 1 and "未实现" in stub_out.stdout
+
+
+def test_run_with_a_model_folder_uses_its_tokenizer_and_chat_template(tmp_path, state_dir):
+    code = ("import sys; sys.path.insert(0, '.')\n"
+            "from course.tiny_tokenizer import byte_tokenizer\n"
+            "from course.run import tiny_dummy_config\n"
+            "from transformers import Qwen3ForCausalLM\n"
+            "tok = byte_tokenizer(); m = Qwen3ForCausalLM(tiny_dummy_config(len(tok)))\n"
+            f"m.save_pretrained({str(tmp_path)!r}); tok.save_pretrained({str(tmp_path)!r})\n")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True)
+    out = cli("run", "--model", str(tmp_path), "--prompt", "hi", "--max-tokens", "4", env_extra=state_dir)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "qwen3" in out.stdout and "4 tokens" in out.stdout
+    # "hi" alone is 2 byte tokens; the chat template wraps it in <|im_start|>user ... <|im_start|>assistant
+    assert "prompt（2 tokens）" not in out.stdout, "the chat template was not applied"
