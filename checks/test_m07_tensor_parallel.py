@@ -1,0 +1,441 @@
+"""Checks for M07 · Tensor parallel (lessons/m07_tensor_parallel.md).
+
+Oracles: torch's own single-process layers (F.linear = nn.Linear, F.embedding = nn.Embedding) with the
+same full weights, and m06's TP=1 model loaded from checkpoints that HF transformers 5.17.0 wrote with
+save_pretrained (Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen3_5MoeForCausalLM; fp32, eager, every
+parameter randomised). TP=2 runs in 2 processes with the gloo backend (checks/tp_workers.py): all
+scenarios in one run, cached for every check. TP=1 checks run in this process, without a process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import transformers
+from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig
+
+from checks import hf_models, tp_workers
+from checks.kit import Rand, assert_close, explain_crash, impl, point
+
+MODULE = "m07_tensor_parallel"
+TP = tp_workers.WORLD
+
+transformers.utils.logging.set_verbosity_error()
+torch.set_num_threads(1)
+
+# the card's 易错点, as the failure messages name them
+M_NO_ALL_REDUCE = "RowParallelLinear 忘了 all-reduce：每个 rank 只返回了自己的部分和 x_r W_r^T"
+M_BIAS_TWICE = "bias 在每个 rank 上都加了：all-reduce 之后变成 tp·b（应在 all-reduce 之后加一次，或只在 rank 0 加）"
+M_QKV_HALVES = "QKV 的 weight_loader 把拼接后的 [q|k|v] 整体对半切了（rank 0 拿到全部 q、rank 1 拿到 k 和 v）：应每个 rank 各取自己那几个 head 的 q、k、v"
+M_MERGED_ONE = "gate/up 当成一个张量切了：rank 0 拿到整个 gate、rank 1 拿到整个 up；应对 gate、up 各自切，本 rank 的局部行 = [gate 的一段 | up 的一段]"
+M_VOCAB_MASK = "词表 mask 没做好：分片外的 id 要先映射到合法行（越界会 IndexError），查完表再把这些行置零，最后 all-reduce"
+M_LM_HEAD_LOCAL = "ParallelLMHead 只返回了本 rank 的 logits 分片：忘了 all-gather（每个 rank 都应拿到完整的 [N, V]）"
+M_EXPERTS_DIM = "experts 沿错误的维度切分：gate_up_proj [E, 2I, H] 切 dim 1，down_proj [E, H, I] 切 dim 2（都是中间维 I，不是 H）"
+M_BACKEND_HEADS = "attention backend（self_attn.attn）的 num_heads / num_kv_heads 没有除以 tp：logits 照样对，但引擎按它分配的 KV cache 和 paged attention 的形状都错了"
+M_MODULE_HEADS = "attention 模块的 num_heads / num_kv_heads / q_size / kv_size 没有除以 tp：qkv_proj 的输出只剩本 rank 的 head"
+M_MOE_REDUCE = "MoE block 之后忘了 all-reduce：experts 沿 I 切开后，每个 rank 的 routed + shared 输出都只是部分和"
+M_TIED = "tied embeddings：换成 VocabParallelEmbedding / ParallelLMHead 之后，忘了让 lm_head.weight 重新指向 embed_tokens.weight"
+M_TOUCH_DIST = "TP=1 时调用了 torch.distributed：world_size=1 应原样返回，不初始化、不通信"
+
+CRASHES = {
+    "index out of range": M_VOCAB_MASK,
+    "split_with_sizes": M_MODULE_HEADS,
+    "missing key for 'lm_head.weight'": M_TIED,
+}
+WHERE = {"ParallelExperts.weight_loader": M_EXPERTS_DIM}
+
+
+# ------------------------------------------------------------------------------------------ TP=2 run
+
+_RUN: dict = {}
+
+
+def _configs(r: Rand) -> dict:
+    """Tiny HF configs whose head counts and intermediate sizes split over 2 ranks (GQA with nKV = 2 or 4)."""
+    heads, kv = r.choice([(4, 2), (8, 2), (2, 2), (8, 4), (6, 2)])
+    head_dim, hidden = r.choice([8, 16]), r.choice([32, 48])
+    base = dict(vocab_size=r.int(48, 97), hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv,
+                head_dim=head_dim, max_position_embeddings=256, rms_norm_eps=1e-6, attn_implementation="eager")
+    moe = dict(num_experts=r.int(4, 6), num_experts_per_tok=2, moe_intermediate_size=r.choice([16, 24]),
+               experts_implementation="eager")
+    half = head_dim // 4                          # rotary_dim / 2 frequencies with partial_rotary_factor 0.5
+    rope = {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5,
+            "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]}
+    return {
+        "qwen3": Qwen3Config(intermediate_size=r.choice([48, 64]), num_hidden_layers=2, rope_theta=1e6,
+                             tie_word_embeddings=True, **base),
+        "qwen3_moe": Qwen3MoeConfig(intermediate_size=64, num_hidden_layers=2, rope_theta=1e6,
+                                    norm_topk_prob=r.choice([True, False]), mlp_only_layers=[0], **base, **moe),
+        "qwen3_5_moe_text": Qwen3_5MoeTextConfig(shared_expert_intermediate_size=r.choice([16, 24]),
+                                                 num_hidden_layers=2, layer_types=["full_attention"] * 2,
+                                                 rope_parameters=rope, **base, **moe),
+        "qwen3_5_text": Qwen3_5TextConfig(intermediate_size=64, num_hidden_layers=2, rope_parameters=rope,
+                                          layer_types=["linear_attention", "full_attention"],
+                                          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                                          linear_value_head_dim=8, linear_conv_kernel_dim=4, **base),
+    }
+
+
+def _model_job(family: str, config, r: Rand, folder: Path) -> tuple[dict, dict]:
+    """Save a randomised HF model, compute the TP=1 reference with m06; (job for the ranks, expectations)."""
+    hf = hf_models.hf_model(family, config, r)
+    hf_models.save_hf(hf, folder)
+    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    lengths = [r.int(1, 7) for _ in range(r.int(2, 3))]
+    ids = r.randint(0, config.vocab_size, (sum(lengths),))
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    moe_layer = {"qwen3": None, "qwen3_moe": 1, "qwen3_5_moe_text": 0}[family]
+    probe = r.randn(r.int(3, 6), config.hidden_size)
+    m06 = impl("m06_models")
+    ref = m06.build_model(config)
+    m06.load_checkpoint(ref, folder)
+    with torch.no_grad():
+        ctx = impl("m04_attention").AttentionContext.from_seqlens(lengths)
+        expected = {"logits": ref.compute_logits(ref(ids, positions, ctx)), "config": config, "state": state}
+        if moe_layer is not None:
+            expected["probe"] = ref.model.layers[moe_layer].mlp(probe)
+    job = dict(config=config, folder=str(folder), ids=ids, positions=positions, lengths=lengths,
+               moe_layer=moe_layer, probe=probe)
+    return job, expected
+
+
+def _job(r: Rand, folder: Path) -> tuple[dict, dict]:
+    """Inputs for every scenario (full weights, configs, checkpoints) and what the parent expects."""
+    job, expected = {}, {}
+    n_in, n_out = r.choice([6, 8, 10]), 2 * r.int(3, 6)
+    job["column_row"] = dict(x=r.randn(r.int(3, 7), n_in), w_col=r.randn(n_out, n_in), b_col=r.randn(n_out),
+                             x_row=r.randn(r.int(3, 7), n_out), w_row=r.randn(n_in, n_out), b_row=r.randn(n_in))
+    hidden = r.choice([8, 12])
+    qkv = dict(x=r.randn(r.int(3, 7), hidden), w_gate=r.randn(2 * r.int(2, 5), hidden))
+    qkv["w_up"] = r.randn(*qkv["w_gate"].shape)
+    for key, factor in (("gqa", 1), ("gated", 2)):
+        heads, kv, head_dim = r.choice([4, 6, 8]), 2, r.choice([2, 4])   # nKV = 2 over 2 ranks: one kv head each
+        qkv[key] = dict(hidden=hidden, head_dim=head_dim, heads=heads, kv_heads=kv, factor=factor,
+                        w_q=r.randn(heads * factor * head_dim, hidden), w_k=r.randn(kv * head_dim, hidden),
+                        w_v=r.randn(kv * head_dim, hidden))
+    job["qkv_merged"] = qkv
+    vocab = r.int(9, 40)                        # odd sizes too: the last shard is zero-padded
+    shard = -(-vocab // TP)
+    ids = torch.cat([torch.tensor([0, vocab - 1, shard - 1, min(shard, vocab - 1)]), r.randint(0, vocab, (r.int(4, 9),))])
+    job["vocab"] = dict(weight=r.randn(vocab, hidden), bias=r.randn(vocab), ids=ids[r.gen_perm(len(ids))]
+                        if hasattr(r, "gen_perm") else ids, hidden=r.randn(r.int(3, 7), hidden))
+    configs = _configs(r)
+    for family in ("qwen3", "qwen3_moe", "qwen3_5_moe_text"):
+        job[f"model:{family}"], expected[family] = _model_job(family, configs[family], r, folder / family)
+    job["hybrid"] = dict(config=configs["qwen3_5_text"])
+    job["card"] = dict(x=torch.tensor([[1.0, -1.0]]), w1=torch.tensor([[1.0, 2.0], [0.0, 1.0], [-1.0, 1.0], [2.0, 0.0]]),
+                       w2=torch.tensor([[1.0, 0.0, -1.0, 2.0], [0.5, 1.0, 0.0, -1.0]]), b2=torch.tensor([0.5, -0.5]),
+                       rows_q=torch.arange(0.0, 4.0)[:, None], rows_k=torch.arange(4.0, 6.0)[:, None],
+                       rows_v=torch.arange(6.0, 8.0)[:, None], emb=torch.arange(10.0, 15.0)[:, None],
+                       ids=torch.tensor([4, 0, 3, 2]))
+    job["scenarios"] = ["column_row", "qkv_merged", "vocab", "model:qwen3", "model:qwen3_moe",
+                        "model:qwen3_5_moe_text", "hybrid", "card"]
+    return job, expected
+
+
+def _tp_run() -> dict:
+    """The one 2-process run of this grading session (started by the first check that needs it)."""
+    if not _RUN:
+        _RUN["rand"] = r = Rand()
+        _RUN["tmp"] = tmp = tempfile.TemporaryDirectory(prefix="course-m07-")
+        _RUN["results"] = None                          # a run cut short by a timeout is not repeated
+        _RUN["job"], _RUN["expected"] = _job(r, Path(tmp.name))
+        _RUN["results"] = tp_workers.launch(_RUN["job"])
+    if _RUN.get("results") is None:
+        raise AssertionError("2 进程的 TP 运行没有完成（上一个检查里超时或出错）")
+    return _RUN
+
+
+def _scenario(name: str, partial: bool = False) -> list[dict]:
+    """Both ranks' data for a scenario; its failure re-raised here (NotImplementedError stays 未实现)."""
+    run = _tp_run()
+    per_rank = [res.get(name) for res in run["results"]]
+    errors = [(rank, res["error"]) for rank, res in enumerate(per_rank) if res is not None and res["error"]]
+    for rank, err in errors:
+        if err["not_implemented"]:
+            raise NotImplementedError(err["message"])
+    if errors:
+        rank, err = next(((k, e) for k, e in errors if "Timed out" not in e["message"]
+                          and "Connection closed" not in e["message"]), errors[0])
+        msg = f"TP=2 的 rank {rank} 运行出错：{err['type']}: {err['message']}"
+        msg += f"\n  位置：{err['where']}" if err["where"] else ""
+        mistake = next((m for frag, m in CRASHES.items() if frag in err["message"]), None) or \
+            next((m for frag, m in WHERE.items() if frag in err["where"]), None)
+        if mistake:
+            msg += f"\n  看起来像易错点：{mistake}"
+        if not partial:
+            raise AssertionError(msg + f"；{run['rand']}")
+    if any(res is None for res in per_rank):
+        raise AssertionError(f"TP=2 的场景 {name} 没有跑完：某个 rank 卡在 all_reduce / all_gather 里"
+                             "（两个 rank 调用集合通信的次数或顺序不一致？）")
+    return [res["data"] for res in per_rank]
+
+
+def _per_rank(tensor: torch.Tensor, dim: int = 0) -> list[torch.Tensor]:
+    return list(tensor.chunk(TP, dim=dim))
+
+
+# ------------------------------------------------------------------------------------------ TP=1 (in process)
+
+_DIST_CALLS = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "broadcast", "barrier",
+               "gather", "reduce", "init_process_group", "new_group", "get_rank", "get_world_size")
+
+
+@contextlib.contextmanager
+def _no_dist(also_query: bool = False):
+    """Make every torch.distributed call (and, with also_query, is_available / is_initialized) fail loudly."""
+    names = _DIST_CALLS + (("is_available", "is_initialized") if also_query else ())
+    saved = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
+
+    def forbid(name):
+        def call(*args, **kwargs):
+            raise AssertionError(f"调用了 torch.distributed.{name}\n  看起来像易错点：{M_TOUCH_DIST}")
+        return call
+
+    for n in saved:
+        setattr(dist, n, forbid(n))
+    try:
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(dist, n, fn)
+
+
+@point("tp_info 与 TP=1：各层等于 nn.Linear / nn.Embedding，不调用 torch.distributed")
+def test_tp1_layers_match_torch():
+    m = impl(MODULE)
+    r = Rand()
+    assert not dist.is_initialized()
+    assert m.tp_info() == (0, 1), f"没有初始化 torch.distributed 时 tp_info() 应为 (0, 1)，得到 {m.tp_info()}"
+    h, n = r.choice([8, 12]), r.int(3, 9)
+    x = r.randn(n, h)
+    with _no_dist():
+        w, b = r.randn(2 * h, h), r.randn(2 * h)
+        col = m.ColumnParallelLinear(h, 2 * h, bias=True)
+        assert col.weight.weight_loader(col.weight, w, ()) == w.numel(), "weight_loader 应返回写入的元素个数"
+        col.bias.weight_loader(col.bias, b, ())
+        assert_close(col(x), F.linear(x, w, b), what="TP=1 ColumnParallelLinear", rand=r)
+        row = m.RowParallelLinear(2 * h, h, bias=True)
+        row.weight.weight_loader(row.weight, w.T.contiguous(), ())
+        row.bias.weight_loader(row.bias, b[:h], ())
+        x2 = r.randn(n, 2 * h)
+        assert_close(row(x2), F.linear(x2, w.T, b[:h]), what="TP=1 RowParallelLinear", rand=r)
+        wq, wk, wv = r.randn(4 * 2, h), r.randn(2 * 2, h), r.randn(2 * 2, h)
+        qkv = m.QKVParallelLinear(h, 2, 4, 2)
+        count = sum(qkv.weight.weight_loader(qkv.weight, t, (p,)) for t, p in ((wq, "q"), (wk, "k"), (wv, "v")))
+        assert count == qkv.weight.numel(), f"QKV 的三次 weight_loader 应共写入 {qkv.weight.numel()} 个值，得到 {count}"
+        assert_close(qkv(x), F.linear(x, torch.cat([wq, wk, wv])), what="TP=1 QKVParallelLinear", rand=r)
+        merged = m.MergedColumnParallelLinear(h, [h, h])
+        merged.weight.weight_loader(merged.weight, w[:h], (0,))
+        merged.weight.weight_loader(merged.weight, w[h:], (1,))
+        assert_close(merged(x), F.linear(x, w), what="TP=1 MergedColumnParallelLinear", rand=r)
+        vocab = r.int(9, 30)
+        table, ids = r.randn(vocab, h), r.randint(0, vocab, (n,))
+        emb = m.VocabParallelEmbedding(vocab, h)
+        emb.weight.weight_loader(emb.weight, table, ())
+        assert_close(emb(ids), F.embedding(ids, table), what="TP=1 VocabParallelEmbedding", rand=r)
+        head = m.ParallelLMHead(vocab, h)
+        head.weight.weight_loader(head.weight, table, ())
+        assert_close(head(x), F.linear(x, table), what="TP=1 ParallelLMHead", rand=r)
+
+
+@point("world_size 1：tensor_parallel 原样返回同一个模型，不碰 torch.distributed")
+def test_world_size_one_is_untouched():
+    m = impl(MODULE)
+    r = Rand()
+    m06 = impl("m06_models")
+    model = m06.build_model(_configs(r)["qwen3_moe"])
+    modules = {name: id(mod) for name, mod in model.named_modules()}
+    params = {name: id(p) for name, p in model.named_parameters()}
+    with _no_dist(also_query=True):
+        out = m.tensor_parallel(model, 0, 1)
+    assert out is model, "tensor_parallel(model, 0, 1) 应返回传入的同一个模型对象"
+    with _no_dist():
+        out = m.tensor_parallel(model)               # world_size from tp_info(): (0, 1) without a process group
+    assert out is model, "没有初始化 torch.distributed 时 tensor_parallel(model) 应返回同一个模型对象"
+    after = {name: id(mod) for name, mod in model.named_modules()}
+    assert after == modules, "world_size 1 时不应替换任何子模块（TP=1 的引擎直接用 m06 的 nn.Linear / nn.Embedding）"
+    assert {name: id(p) for name, p in model.named_parameters()} == params, "world_size 1 时参数应保持原样"
+
+
+# ------------------------------------------------------------------------------------------ TP=2 (2 processes)
+
+@point("TP=2：ColumnParallelLinear 拼接、RowParallelLinear all-reduce（bias 只加一次）等于单进程 nn.Linear")
+def test_column_and_row():
+    impl(MODULE)
+    data = _scenario("column_row")
+    r, j = _RUN["rand"], _RUN["job"]["column_row"]
+    w_cols, b_cols = _per_rank(j["w_col"]), _per_rank(j["b_col"])
+    for rank, d in enumerate(data):
+        assert d["col_shape"] == tuple(w_cols[rank].shape), \
+            f"rank {rank} 的 ColumnParallelLinear.weight 形状应为 {list(w_cols[rank].shape)}（[out/tp, in]），得到 {list(d['col_shape'])}"
+        assert d["col_count"] == w_cols[rank].numel() + b_cols[rank].numel(), "weight_loader 应返回本 rank 写入的元素个数"
+        assert_close(d["col_y"], F.linear(j["x"], w_cols[rank], b_cols[rank]),
+                     what=f"rank {rank} 的 ColumnParallelLinear 输出（全量输出的第 {rank} 段列）", rand=r)
+    assert_close(torch.cat([d["col_y"] for d in data], -1), F.linear(j["x"], j["w_col"], j["b_col"]),
+                 what="两个 rank 的 ColumnParallelLinear 输出拼起来", rand=r)
+    full = F.linear(j["x_row"], j["w_row"], j["b_row"])
+    partial = [F.linear(x, w) for x, w in zip(_per_rank(j["x_row"], -1), _per_rank(j["w_row"], 1))]
+    for rank, d in enumerate(data):
+        assert d["row_shape"] == (j["w_row"].shape[0], j["w_row"].shape[1] // TP), \
+            f"rank {rank} 的 RowParallelLinear.weight 形状应为 [out, in/tp]，得到 {list(d['row_shape'])}"
+        assert_close(d["row_y"], full, what=f"rank {rank} 的 RowParallelLinear 输出", rand=r,
+                     looks_like=[(partial[rank] + j["b_row"], M_NO_ALL_REDUCE),
+                                 (partial[rank], M_NO_ALL_REDUCE),
+                                 (full + (TP - 1) * j["b_row"], M_BIAS_TWICE)])
+
+
+@point("TP=2：QKVParallelLinear（GQA nKV=2、gated q）与 MergedColumnParallelLinear 的分片落在正确的行")
+def test_qkv_and_merged():
+    impl(MODULE)
+    data = _scenario("qkv_merged")
+    r, j = _RUN["rand"], _RUN["job"]["qkv_merged"]
+    x = j["x"]
+    for key in ("gqa", "gated"):
+        c = j[key]
+        what = "QKVParallelLinear（GQA）" if key == "gqa" else "QKVParallelLinear（gated：q_head_size_factor=2）"
+        parts = [_per_rank(c[f"w_{p}"]) for p in "qkv"]        # heads are contiguous row blocks of each part
+        halves = _per_rank(torch.cat([c["w_q"], c["w_k"], c["w_v"]]))
+        for rank, d in enumerate(data):
+            assert d[f"{key}_heads"] == (c["heads"] // TP, c["kv_heads"] // TP), \
+                f"rank {rank} 的 {what} 应有 {c['heads'] // TP} 个 q head、{c['kv_heads'] // TP} 个 kv head，得到 {d[f'{key}_heads']}"
+            local = torch.cat([p[rank] for p in parts])
+            assert d[f"{key}_count"] == local.numel(), \
+                f"{what} 的 q/k/v 三次 weight_loader 应共写入 {local.numel()} 个值，得到 {d[f'{key}_count']}"
+            assert_close(d[f"{key}_y"], F.linear(x, local), rand=r,
+                         what=f"rank {rank} 的 {what} 输出（本 rank 的 [q | k | v] head）",
+                         looks_like=[(F.linear(x, halves[rank]), M_QKV_HALVES)])
+    gate, up = _per_rank(j["w_gate"]), _per_rank(j["w_up"])
+    one = _per_rank(torch.cat([j["w_gate"], j["w_up"]]))
+    for rank, d in enumerate(data):
+        local = torch.cat([gate[rank], up[rank]])
+        assert d["merged_count"] == local.numel(), f"gate/up 两次 weight_loader 应共写入 {local.numel()} 个值"
+        assert_close(d["merged_y"], F.linear(x, local), what=f"rank {rank} 的 MergedColumnParallelLinear 输出（[gate 段 | up 段]）",
+                     rand=r, looks_like=[(F.linear(x, one[rank]), M_MERGED_ONE)])
+
+
+@point("TP=2：VocabParallelEmbedding 屏蔽分片外的 id，ParallelLMHead 拼回完整 logits")
+def test_vocab_embedding_and_lm_head():
+    impl(MODULE)
+    data = _scenario("vocab")
+    r, j = _RUN["rand"], _RUN["job"]["vocab"]
+    table, ids = j["weight"], j["ids"]
+    vocab, shard = table.shape[0], -(-table.shape[0] // TP)
+    padded = torch.cat([table, table.new_zeros(shard * TP - vocab, table.shape[1])])
+    unmasked = sum(F.embedding(torch.where((ids >= k * shard) & (ids < (k + 1) * shard), ids - k * shard, 0),
+                               padded[k * shard:(k + 1) * shard]) for k in range(TP))
+    logits = F.linear(j["hidden"], table, j["bias"])
+    for rank, d in enumerate(data):
+        assert d["emb_count"] == d["emb_numel"] == shard * table.shape[1], \
+            f"rank {rank}：VocabParallelEmbedding.weight 应为 [ceil(V/tp) = {shard}, H]，weight_loader 返回写入的元素个数（含补零行）"
+        assert_close(d["emb_y"], F.embedding(ids, table), rand=r,
+                     what=f"rank {rank} 的 VocabParallelEmbedding 输出（V={vocab}，ids 落在两个分片）",
+                     looks_like=[(unmasked, M_VOCAB_MASK)])
+        got = d["head_y"]
+        if got.shape[-1] == shard and shard != vocab:
+            raise AssertionError(f"rank {rank} 的 ParallelLMHead 输出形状是 {list(got.shape)}，应为 {list(logits.shape)}"
+                                 f"\n  看起来像易错点：{M_LM_HEAD_LOCAL}；{r}")
+        assert_close(got, logits, what=f"rank {rank} 的 ParallelLMHead 输出（完整 [N, V]，V={vocab}）", rand=r)
+        assert d["head_count"] == d["head_numel"], "ParallelLMHead 的 weight_loader 应返回写入的元素个数"
+
+
+def _heads(config) -> tuple[int, int, int, int]:
+    nh, nkv, d = config.num_attention_heads // TP, config.num_key_value_heads // TP, config.head_dim
+    return nh, nkv, nh * d, nkv * d
+
+
+@point("TP=2：tensor_parallel 之后 head 数（含 attention backend）除以 tp、experts 沿中间维切分、router 保持完整")
+def test_structure_after_rewrite():
+    impl(MODULE)
+    r = _tp_run()["rand"]
+    for family in ("qwen3_moe", "qwen3_5_moe_text"):
+        data = _scenario(f"model:{family}", partial=True)
+        exp = _RUN["expected"][family]
+        config, state = exp["config"], exp["state"]
+        for rank, d in enumerate(data):
+            if "heads" not in d:
+                _scenario(f"model:{family}")                  # raises the rank's error
+            assert d["returned_same"], "tensor_parallel 应原地改写并返回同一个模型对象"
+            want = _heads(config)
+            for i, got in enumerate(d["heads"]):
+                assert tuple(got) == want, (f"{family} 第 {i} 层 self_attn 的 (num_heads, num_kv_heads, q_size, kv_size) "
+                                            f"应为 {want}，得到 {tuple(got)}\n  看起来像易错点：{M_MODULE_HEADS}")
+            for i, got in enumerate(d["backend_heads"]):
+                assert tuple(got) == want[:2], (f"{family} 第 {i} 层 self_attn.attn 的 (num_heads, num_kv_heads) 应为 "
+                                                f"{want[:2]}，得到 {tuple(got)}\n  看起来像易错点：{M_BACKEND_HEADS}")
+            e, inter, hidden = config.num_experts, config.moe_intermediate_size, config.hidden_size
+            want = ((e, 2 * inter // TP, hidden), (e, hidden, inter // TP), (e, hidden))
+            assert tuple(map(tuple, d["expert_shapes"])) == want, (
+                f"{family}：(experts.gate_up_proj, experts.down_proj, gate.weight) 的形状应为 {want}，得到 "
+                f"{d['expert_shapes']}\n  看起来像易错点：{M_EXPERTS_DIM}（router gate.weight [E, H] 每个 rank 都完整保留）")
+            if "expert_local" not in d:
+                _scenario(f"model:{family}")
+            layer = _RUN["job"][f"model:{family}"]["moe_layer"]
+            gate_up = state[f"model.layers.{layer}.mlp.experts.gate_up_proj"][0]
+            down = state[f"model.layers.{layer}.mlp.experts.down_proj"][0]
+            gate, up = _per_rank(gate_up[:inter]), _per_rank(gate_up[inter:])
+            assert_close(d["expert_local"][0], torch.cat([gate[rank], up[rank]]), rand=r,
+                         what=f"{family} rank {rank} 加载后的 experts.gate_up_proj[0]（[gate 段 | up 段]）",
+                         looks_like=[(_per_rank(gate_up)[rank], M_MERGED_ONE)])
+            assert_close(d["expert_local"][1], _per_rank(down, 1)[rank], rand=r,
+                         what=f"{family} rank {rank} 加载后的 experts.down_proj[0]（[H, I/tp]）")
+
+
+def _check_model(family: str) -> None:
+    impl(MODULE)
+    data = _scenario(f"model:{family}")
+    exp, r = _RUN["expected"][family], _RUN["rand"]
+    lengths = _RUN["job"][f"model:{family}"]["lengths"]
+    for rank, d in enumerate(data):
+        if "probe" in exp:
+            probe = d["moe_probe"]
+            partials = sum(x["moe_probe"] for x in data)
+            assert_close(probe, exp["probe"], what=f"{family} rank {rank} 的 MoE block 输出", rand=r,
+                         looks_like=[(exp["probe"] - partials + probe, M_MOE_REDUCE)])
+        assert_close(d["logits"], exp["logits"], rand=r, atol=1e-5, rtol=1e-5,
+                     what=f"{family} rank {rank} 的 TP=2 logits（与 TP=1 比，{len(lengths)} 条 packed 序列 {lengths}）")
+
+
+@point("TP=2：Qwen3（tied embeddings）整模型 logits 等于 TP=1")
+def test_qwen3_model():
+    _check_model("qwen3")
+    data = _scenario("model:qwen3")
+    assert all(d["tied"] for d in data), f"{M_TIED}（tie_word_embeddings=True 时两者应是同一个 Parameter）"
+
+
+@point("TP=2：Qwen3-MoE（dense + MoE 层）与 Qwen3.5-MoE（gated attention + shared expert）整模型 logits 等于 TP=1")
+def test_moe_models():
+    _check_model("qwen3_moe")
+    _check_model("qwen3_5_moe_text")
+
+
+@point("TP=2：含 Gated DeltaNet 层的混合模型报 ValueError，模型不被改动")
+def test_hybrid_rejected():
+    impl(MODULE)
+    for rank, d in enumerate(_scenario("hybrid")):
+        assert d["raised"] == "ValueError", f"rank {rank}：含 Gated DeltaNet 层的模型应报 ValueError，实际没有报错"
+        assert "Gated DeltaNet" in d["message"], f"ValueError 的信息应说明 Gated DeltaNet 不支持 tensor parallel，得到：{d['message']}"
+        assert not d["changed"], f"报错之前不应改写模型（先检查、再替换），被替换的模块：{d['changed'][:4]}"
+
+
+@point("卡片例子：4×2 权重的 Column→Row 部分和与 all-reduce、QKV 的行号、V=5 的词表分片")
+def test_card_example():
+    impl(MODULE)
+    data = _scenario("card")
+    h = [torch.tensor([[-1.0, -1.0]]), torch.tensor([[-2.0, 2.0]])]
+    wrong_rows = [torch.tensor([0.0, 1.0, 2.0, 3.0]), torch.tensor([4.0, 5.0, 6.0, 7.0])]
+    for rank, d in enumerate(data):
+        assert_close(d["h"], h[rank], what=f"卡片例子 rank {rank} 的 Column 输出 h_{rank}", atol=1e-6, rtol=0)
+        assert_close(d["y"], torch.tensor([[5.5, -4.0]]), what=f"卡片例子 rank {rank} 的 Row 输出", atol=1e-6, rtol=0,
+                     looks_like=[(torch.tensor([[-0.5, -2.0]]) if rank == 0 else torch.tensor([[6.5, -2.5]]), M_NO_ALL_REDUCE),
+                                 (torch.tensor([[6.0, -4.5]]), M_BIAS_TWICE)])
+        assert_close(d["qkv_rows"], torch.tensor([[0.0, 1.0, 4.0, 6.0], [2.0, 3.0, 5.0, 7.0]])[rank],
+                     what=f"卡片例子 rank {rank} 的 qkv_proj 局部行（全量行号）", atol=0, rtol=0,
+                     looks_like=[(wrong_rows[rank], M_QKV_HALVES)])
+        assert_close(d["emb_y"], torch.tensor([[14.0], [10.0], [13.0], [12.0]]), what="卡片例子 V=5 的 embedding 查表",
+                     atol=1e-6, rtol=0, looks_like=[(torch.tensor([[24.0], [23.0], [23.0], [25.0]]), M_VOCAB_MASK)])
