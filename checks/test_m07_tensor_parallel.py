@@ -20,7 +20,7 @@ import transformers
 from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig
 
 from checks import hf_models, tp_workers
-from checks.kit import Rand, assert_close, explain_crash, impl, point
+from checks.kit import Rand, assert_close, impl, point
 
 MODULE = "m07_tensor_parallel"
 TP = tp_workers.WORLD
@@ -122,8 +122,8 @@ def _job(r: Rand, folder: Path) -> tuple[dict, dict]:
     vocab = r.int(9, 40)                        # odd sizes too: the last shard is zero-padded
     shard = -(-vocab // TP)
     ids = torch.cat([torch.tensor([0, vocab - 1, shard - 1, min(shard, vocab - 1)]), r.randint(0, vocab, (r.int(4, 9),))])
-    job["vocab"] = dict(weight=r.randn(vocab, hidden), bias=r.randn(vocab), ids=ids[r.gen_perm(len(ids))]
-                        if hasattr(r, "gen_perm") else ids, hidden=r.randn(r.int(3, 7), hidden))
+    job["vocab"] = dict(weight=r.randn(vocab, hidden), bias=r.randn(vocab), hidden=r.randn(r.int(3, 7), hidden),
+                        ids=ids[torch.randperm(len(ids), generator=r.gen)])
     configs = _configs(r)
     for family in ("qwen3", "qwen3_moe", "qwen3_5_moe_text"):
         job[f"model:{family}"], expected[family] = _model_job(family, configs[family], r, folder / family)

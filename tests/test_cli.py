@@ -108,3 +108,40 @@ def test_run_with_a_model_folder_uses_its_tokenizer_and_chat_template(tmp_path, 
     assert "qwen3" in out.stdout and "4 tokens" in out.stdout
     # "hi" alone is 2 byte tokens; the chat template wraps it in <|im_start|>user ... <|im_start|>assistant
     assert "prompt（2 tokens）" not in out.stdout, "the chat template was not applied"
+
+
+def test_check_sh_uses_a_ready_python_without_creating_a_venv(tmp_path):
+    """A machine whose python3 already has everything (a GPU box, no network): no .venv is created."""
+    repo = _copy_repo(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k not in ("COURSE_USE_VENV", "COURSE_PYTHON")}
+    env["PATH"] = f"{os.path.dirname(sys.executable)}:{env['PATH']}"     # python3 = this ready interpreter
+    out = subprocess.run(["bash", "check.sh", "hint", "m03", "--level", "1"], cwd=repo, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "关键问题" in out.stdout
+    assert not (repo / ".venv").exists(), "check.sh created .venv although python3 already had every dependency"
+
+
+def test_check_sh_honours_course_python(tmp_path):
+    repo = _copy_repo(tmp_path)
+    env = dict(os.environ, COURSE_PYTHON=sys.executable)
+    out = subprocess.run(["bash", "check.sh", "m99"], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "m03" in out.stdout, out.stdout + out.stderr
+    assert not (repo / ".venv").exists()
+
+
+def test_watch_grades_once_then_keeps_watching(state_dir):
+    proc = subprocess.Popen([sys.executable, "-m", "course", "watch", "m03", "--solutions"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, **state_dir))
+    try:
+        seen = ""
+        for line in proc.stdout:
+            seen += line
+            if "项通过" in line:
+                break
+        assert "监视 solutions/m03_sparse_moe.py" in seen and "全部" in seen, seen
+        assert proc.poll() is None, "watch exited after the first grade instead of watching"
+    finally:
+        proc.kill()
+        proc.wait()

@@ -74,3 +74,13 @@ def test_appendix_a_is_generated_from_the_cards():
     for ex in registry.written():
         assert book.hint_path(ex).read_text(encoding="utf-8") == book.hint_page(ex), \
             f"{book.hint_path(ex)} is stale: run python -m course.book"
+
+
+def test_book_links_resolve():
+    book = registry.ROOT / "book"
+    broken = []
+    for page in book.rglob("*.md"):
+        for target in re.findall(r"\]\(([^)#]+\.md)\)", page.read_text(encoding="utf-8")):
+            if not (page.parent / target).is_file():
+                broken.append(f"{page.relative_to(book)} -> {target}")
+    assert not broken, f"broken links in the book: {broken}"
