@@ -46,22 +46,24 @@ def _divide(total: int, parts: int, what: str) -> int:
     return total // parts
 
 
+def _loadable(module: nn.Module, *shape: int) -> nn.Parameter:
+    """An uninitialised parameter that m06's load_checkpoint fills through module.weight_loader."""
+    param = nn.Parameter(torch.empty(*shape))
+    param.weight_loader = module.weight_loader
+    return param
+
+
 class ColumnParallelLinear(nn.Module):
     """y_r = x W_r^T (+ b_r): this rank's output_size / tp rows of W [output_size, input_size]."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        """weight [output_size / tp, input_size] (bias [output_size / tp]), each with weight.weight_loader."""
+        """weight [output_size / tp, input_size], bias [output_size / tp] or None; both with a weight_loader."""
         super().__init__()
         self.tp_rank, self.tp_size = tp_info()
         self.input_size, self.output_size = input_size, output_size
         rows = _divide(output_size, self.tp_size, "output_size")
-        self.weight = nn.Parameter(torch.empty(rows, input_size))
-        self.weight.weight_loader = self.weight_loader
-        if bias:
-            self.bias = nn.Parameter(torch.empty(rows))
-            self.bias.weight_loader = self.weight_loader
-        else:
-            self.register_parameter("bias", None)
+        self.weight = _loadable(self, rows, input_size)
+        self.bias = _loadable(self, rows) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple = ()) -> int:
         """loaded [output_size, ...] (weight or bias): keep rows rank*rows .. (rank+1)*rows. Returns numel."""
@@ -128,13 +130,8 @@ class RowParallelLinear(nn.Module):
         self.tp_rank, self.tp_size = tp_info()
         self.input_size, self.output_size = input_size, output_size
         cols = _divide(input_size, self.tp_size, "input_size")
-        self.weight = nn.Parameter(torch.empty(output_size, cols))
-        self.weight.weight_loader = self.weight_loader
-        if bias:
-            self.bias = nn.Parameter(torch.empty(output_size))
-            self.bias.weight_loader = self.weight_loader
-        else:
-            self.register_parameter("bias", None)
+        self.weight = _loadable(self, output_size, cols)
+        self.bias = _loadable(self, output_size) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple = ()) -> int:
         """Weight: keep columns rank*cols .. (rank+1)*cols of loaded [output_size, input_size]; bias: all of it."""
@@ -166,8 +163,7 @@ class VocabParallelEmbedding(nn.Module):
         self.shard_size = -(-num_embeddings // self.tp_size)                   # ceil(V / tp)
         self.vocab_start = min(self.tp_rank * self.shard_size, num_embeddings)
         self.vocab_end = min(self.vocab_start + self.shard_size, num_embeddings)
-        self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim))
-        self.weight.weight_loader = self.weight_loader
+        self.weight = _loadable(self, self.shard_size, embedding_dim)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple = ()) -> int:
         """loaded [V, ...]: rows vocab_start .. vocab_end, then zeros for the padding rows. Returns numel."""
@@ -194,11 +190,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False):
         """The embedding's shard of W [V, H] (tied: the very same Parameter); bias [ceil(V / tp)] if asked."""
         super().__init__(num_embeddings, embedding_dim)
-        if bias:
-            self.bias = nn.Parameter(torch.empty(self.shard_size))
-            self.bias.weight_loader = self.weight_loader
-        else:
-            self.register_parameter("bias", None)
+        self.bias = _loadable(self, self.shard_size) if bias else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] on every rank."""
@@ -218,9 +210,8 @@ class ParallelExperts(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = tp_info()
         inter = _divide(intermediate_size, self.tp_size, "moe_intermediate_size")
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, inter))
-        self.gate_up_proj.weight_loader = self.down_proj.weight_loader = self.weight_loader
+        self.gate_up_proj = _loadable(self, num_experts, 2 * inter, hidden_size)
+        self.down_proj = _loadable(self, num_experts, hidden_size, inter)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple = ()) -> int:
         """shard ("expert", e, "gate" | "up" | "down"): loaded gate/up [I, H] or down [H, I] of expert e."""
@@ -248,7 +239,8 @@ def _swap(parent: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def _parallel_attention(attn: nn.Module) -> None:
-    """qkv_proj -> QKVParallelLinear, o_proj -> RowParallelLinear; head counts (module and backend) / tp."""
+    """qkv_proj -> QKVParallelLinear (q_head_size_factor 2 for GatedAttention), o_proj -> RowParallelLinear;
+    num_heads, num_kv_heads, q_size, kv_size and the backend's attn.num_heads / attn.num_kv_heads divided by tp."""
     tp_size = tp_info()[1]
     hidden = attn.o_proj.out_features
     factor = 2 if isinstance(attn, GatedAttention) else 1            # gated q rows: per head [q_h | gate_h]
@@ -261,7 +253,9 @@ def _parallel_attention(attn: nn.Module) -> None:
 
 
 def _parallel_mlp(mlp: nn.Module) -> None:
-    """Dense MLP: gate_up column (merged), down row. MoE: experts split on I, the router replicated."""
+    """Dense MLP: gate_up_proj -> MergedColumnParallelLinear, down_proj -> RowParallelLinear. SparseMoeBlock:
+    experts -> ParallelExperts, the shared expert like a dense MLP, the router `gate` replicated, and one
+    all-reduce after the block (register_forward_hook(_all_reduce_output))."""
     if isinstance(mlp, SparseMoeBlock):
         num_experts, _, hidden = mlp.experts.gate_up_proj.shape
         _swap(mlp, "experts", ParallelExperts(num_experts, hidden, mlp.experts.down_proj.shape[-1]))
@@ -275,11 +269,14 @@ def _parallel_mlp(mlp: nn.Module) -> None:
 
 
 def tensor_parallel(model: nn.Module, rank: int | None = None, world_size: int | None = None) -> nn.Module:
-    """Rewrite an m06 model in place for this rank, before its weights are loaded; returns the model.
+    """Rewrite an m06 model in place for this rank, before its weights are loaded; returns the same model.
 
-    rank / world_size default to tp_info(). world_size 1: the model is returned untouched (no
-    torch.distributed call at all). Otherwise torch.distributed must already run with exactly this rank
-    and world size. Gated DeltaNet layers are not supported (ValueError).
+    rank / world_size default to tp_info(). world_size 1: the model is returned untouched (given as 1, not
+    even tp_info() is called). Otherwise torch.distributed must already run with exactly this rank and
+    world size (else ValueError). Gated DeltaNet layers: ValueError("tensor parallel for Gated DeltaNet
+    layers is not supported"), raised before anything changes. Rewrites every self_attn
+    (_parallel_attention), every mlp (_parallel_mlp), model.embed_tokens -> VocabParallelEmbedding and
+    lm_head -> ParallelLMHead (tied embeddings: lm_head.weight is embed_tokens.weight again).
     """
     if world_size == 1:
         return model

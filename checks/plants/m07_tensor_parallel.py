@@ -1,0 +1,81 @@
+"""Every 易错点 of lessons/m07_tensor_parallel.md, planted into a copy of the reference."""
+
+from checks.plants import Plant
+
+PLANTS = [
+    Plant("row_no_all_reduce", "RowParallelLinear 忘了 all-reduce",
+          old="        if self.tp_size > 1:\n            dist.all_reduce(y)                                       # sum over ranks\n",
+          new="",
+          expect="忘了 all-reduce"),
+    Plant("bias_every_rank", "bias 在每个 rank 上都加",
+          old="        y = F.linear(x, self.weight)                                 # [N, out]: a partial sum\n",
+          new="        y = F.linear(x, self.weight, self.bias)\n",
+          expect="bias 在每个 rank 上都加了"),
+    Plant("qkv_halves", "QKV 的 weight_loader 把拼接后的 [q|k|v] 整体对半切",
+          old="        offset, size = {\"q\": (0, q_rows), \"k\": (q_rows, kv_rows), \"v\": (q_rows + kv_rows, kv_rows)}[shard[0]]\n"
+              "        target = param.data.narrow(0, offset, size)\n"
+              "        target.copy_(loaded.narrow(0, self.tp_rank * size, size))     # heads rank*n .. (rank+1)*n of this part\n"
+              "        return target.numel()\n",
+          new="        rows, total_q = param.shape[0], q_rows * self.tp_size\n"
+              "        start = {\"q\": 0, \"k\": total_q, \"v\": total_q + kv_rows * self.tp_size}[shard[0]]\n"
+              "        lo, hi = max(start, self.tp_rank * rows), min(start + loaded.shape[0], (self.tp_rank + 1) * rows)\n"
+              "        if hi <= lo:\n"
+              "            return 0\n"
+              "        param.data[lo - self.tp_rank * rows:hi - self.tp_rank * rows].copy_(loaded[lo - start:hi - start])\n"
+              "        return (hi - lo) * param.shape[1]\n",
+          expect="整体对半切"),
+    Plant("merged_as_one_tensor", "gate/up 当成一个张量切（rank 0 拿到整个 gate、rank 1 拿到整个 up）",
+          old="        size = self.output_sizes[i] // self.tp_size                 # this rank's rows of part i\n"
+              "        offset = sum(self.output_sizes[:i]) // self.tp_size          # where part i starts in the local rows\n"
+              "        target = param.data.narrow(0, offset, size)\n"
+              "        target.copy_(loaded.narrow(0, self.tp_rank * size, size))\n"
+              "        return target.numel()\n",
+          new="        rows, start = param.shape[0], sum(self.output_sizes[:i])\n"
+              "        lo, hi = max(start, self.tp_rank * rows), min(start + loaded.shape[0], (self.tp_rank + 1) * rows)\n"
+              "        if hi <= lo:\n"
+              "            return 0\n"
+              "        param.data[lo - self.tp_rank * rows:hi - self.tp_rank * rows].copy_(loaded[lo - start:hi - start])\n"
+              "        return (hi - lo) * param.shape[1]\n",
+          expect="整个 gate"),
+    Plant("vocab_rows_not_zeroed", "词表 mask 没做好：分片外的 id 读到本分片的错误行（没置零）",
+          old="        y = y.masked_fill(~mine[:, None], 0)                                     # ... and are zeroed here\n",
+          new="",
+          expect="词表 mask"),
+    Plant("vocab_no_mask", "词表 mask 没做好：分片外的 id 直接减 vocab_start 去查表（越界）",
+          old="        local = torch.where(mine, ids - self.vocab_start, 0)                     # other ranks' ids read row 0 ...\n",
+          new="        local = ids - self.vocab_start\n",
+          expect="词表 mask"),
+    Plant("lm_head_local_shard", "ParallelLMHead 只返回本 rank 的分片（忘了 all-gather）",
+          old="        if self.tp_size == 1:\n            return logits\n        parts = [torch.empty_like(logits) for _ in range(self.tp_size)]\n",
+          new="        return logits\n        parts = [torch.empty_like(logits) for _ in range(self.tp_size)]\n",
+          expect="all-gather"),
+    Plant("experts_wrong_dim", "experts 沿错误的维度切分（down_proj 也切 dim 1）",
+          old="loaded.narrow(1, self.tp_rank * inter, inter)",
+          new="loaded.narrow(0, self.tp_rank * inter, inter)",
+          expect="experts 沿错误的维度切分"),
+    Plant("experts_wrong_shape", "experts 沿错误的维度切分（gate_up_proj 切了 H）",
+          old="        self.gate_up_proj = _loadable(self, num_experts, 2 * inter, hidden_size)\n",
+          new="        self.gate_up_proj = _loadable(self, num_experts, 2 * inter * self.tp_size, hidden_size // self.tp_size)\n",
+          expect="experts 沿错误的维度切分"),
+    Plant("backend_heads_not_divided", "attention backend 的 head 数没有除以 tp",
+          old="    attn.attn.num_heads, attn.attn.num_kv_heads = attn.num_heads, attn.num_kv_heads\n",
+          new="",
+          expect="attention backend"),
+    Plant("module_heads_not_divided", "attention 模块的 head 数 / q_size 没有除以 tp",
+          old="    attn.num_heads, attn.num_kv_heads = attn.num_heads // tp_size, attn.num_kv_heads // tp_size\n"
+              "    attn.q_size, attn.kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim\n",
+          new="",
+          expect="attention 模块的"),
+    Plant("moe_no_all_reduce", "MoE block 之后忘了 all-reduce",
+          old="        mlp.register_forward_hook(_all_reduce_output)   # routed + shared partial sums: one all-reduce\n",
+          new="",
+          expect="MoE block 之后忘了 all-reduce"),
+    Plant("tied_not_retied", "tied embeddings：换层之后忘了让 lm_head 重新共享 embed_tokens 的权重",
+          old="    if tied:\n        model.lm_head.weight = model.model.embed_tokens.weight\n",
+          new="",
+          expect="tied embeddings"),
+    Plant("tp1_touches_dist", "TP=1 时调用了 torch.distributed",
+          old="    if world_size == 1:\n        return model\n    actual = tp_info()\n",
+          new="    actual = tp_info()\n",
+          expect="TP=1 时调用了 torch.distributed"),
+]
