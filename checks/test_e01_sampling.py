@@ -44,6 +44,8 @@ GREEDY = "temperature=0 的行也去采样了：应直接取 argmax（并列取�
 SHARED_GEN = ("所有行共用一个 generator（或一次从一个 generator 抽整个 [B, V] 的噪声）："
               "带 seed 的行的结果随 batch 里的其他行变化")
 NO_GEN = "没有用该行自己的 generator 抽噪声（用了全局 RNG），同一个 seed 两次运行结果不同"
+BOOL = "校验没有排除 bool：True 是 int 的子类，isinstance(True, numbers.Real) 也为真，会被当成 1"
+TYPE_FIRST = "校验时先比较大小再查类型：\"0.7\" >= 0 抛的是 TypeError，应先查类型、抛带字段名的 ValueError"
 HALF = "softmax 等采样数学在 bf16/fp16 里做（应先 logits.float()，全部在 fp32 里算）"
 CONTRACT = ("与卡片约定的 exponential race 不一致：q = torch.empty(V).exponential_(generator=g)（fp32，形状 [V]，"
             "每个采样行从自己的 generator 抽一次），token = argmax(softmax(warp_logits) / q)")
@@ -250,8 +252,11 @@ def test_params_rejects_bad_values():
             raise
         except Exception as exc:   # noqa: BLE001  a TypeError from comparing "abc" >= 0 is not the contract
             raise AssertionError(f"SamplingParams({name}={value!r}) 应抛 ValueError，得到 "
-                                 f"{type(exc).__name__}: {exc}（bool/str 也要先检查类型再比较大小）") from None
-        raise AssertionError(f"SamplingParams({name}={value!r}) 应抛 ValueError（消息点名 {name!r}），但没有报错")
+                                 f"{type(exc).__name__}: {exc}"
+                                 + (f"\n  看起来像易错点：{TYPE_FIRST}" if isinstance(exc, TypeError) else "")) from None
+        bools = isinstance(value, bool) or (isinstance(value, list) and any(isinstance(v, bool) for v in value))
+        hint = f"\n  看起来像易错点：{BOOL}" if bools else ""
+        raise AssertionError(f"SamplingParams({name}={value!r}) 应抛 ValueError（消息点名 {name!r}），但没有报错{hint}")
 
 
 GOOD = [dict(), dict(temperature=0), dict(temperature=0.0), dict(temperature=1), dict(temperature=2.5),

@@ -11,6 +11,10 @@ _WARP_RETURN = """    probs = x.softmax(dim=-1)                                 
 """
 
 PLANTS = [
+    Plant("bool_accepted_as_number", "校验没有排除 bool",
+          old="            if isinstance(value, bool) or not isinstance(value, numbers.Real):\n",
+          new="            if not isinstance(value, numbers.Real):\n",
+          expect="没有排除 bool"),
     Plant("temperature_after_filtering", "temperature 在过滤之后才除",
           old=_WARP_BODY + """
     # top-k: the k-th largest is sorted_x[:, V - k]; anything strictly smaller goes (ties survive)

@@ -8,8 +8,14 @@ PLANTS = [
           new="",
           expect="忘了 all-reduce"),
     Plant("bias_every_rank", "bias 在每个 rank 上都加",
-          old="        y = F.linear(x, self.weight)                                 # [N, out]: a partial sum\n",
-          new="        y = F.linear(x, self.weight, self.bias)\n",
+          old="        y = F.linear(x, self.weight)                                 # [N, out]: a partial sum\n"
+              "        if self.tp_size > 1:\n"
+              "            dist.all_reduce(y)                                       # sum over ranks\n"
+              "        if self.bias is not None:\n"
+              "            y = y + self.bias                                        # once, after the sum\n",
+          new="        y = F.linear(x, self.weight, self.bias)                      # bias in every partial sum\n"
+              "        if self.tp_size > 1:\n"
+              "            dist.all_reduce(y)\n",
           expect="bias 在每个 rank 上都加了"),
     Plant("qkv_halves", "QKV 的 weight_loader 把拼接后的 [q|k|v] 整体对半切",
           old="        offset, size = {\"q\": (0, q_rows), \"k\": (q_rows, kv_rows), \"v\": (q_rows + kv_rows, kv_rows)}[shard[0]]\n"
