@@ -68,7 +68,6 @@ class LLM:
         if hybrid and prefix:
             raise ValueError("prefix caching needs per-block state; Gated DeltaNet layers keep one recurrent "
                              "state per sequence, so it must be off for hybrid models")
-        Sequence.block_size = config.block_size
         self.block_manager = BlockManager(config.num_kvcache_blocks, config.block_size, enable_prefix_caching=prefix)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -93,6 +92,19 @@ class LLM:
 
     def has_unfinished(self) -> bool:
         return not self.scheduler.is_finished()
+
+    def abort(self, request_id: int) -> None:
+        """Drop a request that has not finished: its blocks and GDN slot go back at once."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None or seq.is_finished:
+            return
+        for queue in (self.scheduler.waiting, self.scheduler.running):
+            if seq in queue:
+                queue.remove(seq)
+        if seq.block_table:
+            self.block_manager.deallocate(seq)
+        seq.status = SequenceStatus.FINISHED
+        self.runner.release(seq)
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[tuple[int, int, bool]]:

@@ -68,7 +68,6 @@ class LLM:
         if hybrid and prefix:
             raise ValueError("prefix caching needs per-block state; Gated DeltaNet layers keep one recurrent "
                              "state per sequence, so it must be off for hybrid models")
-        Sequence.block_size = config.block_size
         self.block_manager = BlockManager(config.num_kvcache_blocks, config.block_size, enable_prefix_caching=prefix)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -83,7 +82,10 @@ class LLM:
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, dict):         # SamplingParams validates: a bad value is a ValueError
-            sampling_params = SamplingParams(**sampling_params)
+            try:
+                sampling_params = SamplingParams(**sampling_params)
+            except TypeError as exc:                  # a misspelled field name
+                raise ValueError(f"invalid sampling params: {exc}") from exc
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         token_ids = self._encode(prompt)
@@ -96,6 +98,7 @@ class LLM:
             raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {self.config.max_model_len} "
                              "(prompt + at least one generated token must fit)")
         seq = Sequence(token_ids, sampling_params)
+        seq.block_size = self.config.block_size      # per sequence: several engines may live in one process
         self.scheduler.add(seq)                       # raises ValueError if the KV pool can never hold it
         self.requests[seq.seq_id] = seq
         return seq.seq_id
@@ -111,6 +114,19 @@ class LLM:
 
     def has_unfinished(self) -> bool:
         return not self.scheduler.is_finished()
+
+    def abort(self, request_id: int) -> None:
+        """Drop a request that has not finished: its blocks and GDN slot go back at once."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None or seq.is_finished:
+            return
+        for queue in (self.scheduler.waiting, self.scheduler.running):
+            if seq in queue:
+                queue.remove(seq)
+        if seq.block_table:
+            self.block_manager.deallocate(seq)
+        seq.status = SequenceStatus.FINISHED
+        self.runner.release(seq)
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[tuple[int, int, bool]]:
@@ -174,12 +190,16 @@ class LLM:
         for i, h in enumerate(handles):
             if isinstance(h, RequestOutput):
                 yield i, None, True, h.error
-        while self.has_unfinished():
-            for seq_id, token, finished in self.step():
-                if seq_id in index:
-                    yield index[seq_id], token, finished, None
-                    if finished:
-                        self.requests.pop(seq_id, None)
+        try:
+            while self.has_unfinished():
+                for seq_id, token, finished in self.step():
+                    if seq_id in index:
+                        yield index[seq_id], token, finished, None
+                        if finished:
+                            self.requests.pop(seq_id, None)
+        finally:                                      # the caller stopped reading: abort what is left
+            for seq_id in index:
+                self.abort(seq_id)
 
     @property
     def stats(self) -> dict[str, int]:
