@@ -96,7 +96,8 @@ def _model_job(family: str, config, r: Rand, folder: Path) -> tuple[dict, dict]:
     m06.load_checkpoint(ref, folder)
     with torch.no_grad():
         ctx = impl("m04_attention").AttentionContext.from_seqlens(lengths)
-        expected = {"logits": ref.compute_logits(ref(ids, positions, ctx)), "config": config, "state": state}
+        expected = {"logits": ref.compute_logits(ref(ids, positions, ctx)), "config": config, "state": state,
+                    "numel": sum(p.numel() for p in ref.parameters())}
         if moe_layer is not None:
             expected["probe"] = ref.model.layers[moe_layer].mlp(probe)
     job = dict(config=config, folder=str(folder), ids=ids, positions=positions, lengths=lengths,
@@ -160,8 +161,8 @@ def _scenario(name: str, partial: bool = False) -> list[dict]:
         if err["not_implemented"]:
             raise NotImplementedError(err["message"])
     if errors:
-        rank, err = next(((k, e) for k, e in errors if "Timed out" not in e["message"]
-                          and "Connection closed" not in e["message"]), errors[0])
+        peer_lost = ("Timed out", "Connection closed", "Connection reset", "gloo/transport")   # a symptom, not the cause
+        rank, err = next(((k, e) for k, e in errors if not any(s in e["message"] for s in peer_lost)), errors[0])
         msg = f"TP=2 的 rank {rank} 运行出错：{err['type']}: {err['message']}"
         msg += f"\n  位置：{err['where']}" if err["where"] else ""
         mistake = next((m for frag, m in CRASHES.items() if frag in err["message"]), None) or \
@@ -392,6 +393,9 @@ def _check_model(family: str) -> None:
     exp, r = _RUN["expected"][family], _RUN["rand"]
     lengths = _RUN["job"][f"model:{family}"]["lengths"]
     for rank, d in enumerate(data):
+        assert d["numel"] < 0.7 * exp["numel"], (
+            f"{family} rank {rank}：tensor_parallel 之后本 rank 有 {d['numel']} 个参数，TP=1 是 {exp['numel']}："
+            "TP=2 时每个 rank 应只持有约一半（只有 norm 和 router 是完整复制的），看起来没有切分")
         if "probe" in exp:
             probe = d["moe_probe"]
             partials = sum(x["moe_probe"] for x in data)

@@ -6,8 +6,10 @@ configs, checkpoint folders), calls `launch(job)` once and grades the returned p
 - Children start with the fork method on Linux (they inherit the already imported torch: about 0.3 s;
   a spawned child re-imports torch, 10-50 s on a loaded 2-core machine), elsewhere with spawn. This
   module imports no transformers, so a spawned child stays as light as possible.
-- Each scenario runs in its own fresh process group (a new file:// rendezvous), so a scenario that
-  leaves one rank stuck in a collective cannot pair its calls with the next scenario's.
+- Each scenario runs in its own fresh process group (a new file store), and the ranks leave it together
+  through that store: a rank that fails (or finishes without communicating) never tears its connections
+  down while the other is still connecting, and a scenario that leaves one rank stuck in a collective
+  cannot pair its calls with the next scenario's.
 - Every scenario records its data and its exception (type, message, where in the exercise file);
   a stub's NotImplementedError is reported as such, so the parent marks the check 未实现.
 - Results are written after every scenario (torch.save, atomic rename): a run cut short by the
@@ -70,21 +72,35 @@ def _worker(rank: int, tmp: str, job: dict) -> None:
     select.install()
     results: dict = {}
     for name in job["scenarios"]:
+        store = dist.FileStore(f"{tmp}/store-{name.replace(':', '-')}", WORLD)
         data: dict = {}
         error = None
         try:
-            dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous-{name.replace(':', '-')}",
-                                    rank=rank, world_size=WORLD, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD,
+                                    timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
             with torch.no_grad():
                 SCENARIOS[name.split(":")[0]](select.load(MODULE), rank, job, name, data)
         except Exception as exc:  # noqa: BLE001 - every failure is reported to the parent
             error = _describe(exc)
         finally:
+            if error is not None and dist.is_initialized():
+                dist.destroy_process_group()          # a peer blocked in a collective fails now, not at the timeout
+            _leave_together(store, rank)
             if dist.is_initialized():
                 dist.destroy_process_group()
         results[name] = {"data": data, "error": error}
         torch.save(results, f"{tmp}/rank{rank}.tmp")
         os.replace(f"{tmp}/rank{rank}.tmp", f"{tmp}/rank{rank}.pt")
+
+
+def _leave_together(store, rank: int) -> None:
+    """A barrier through the file store, not through gloo: it works after any error, and no rank tears its
+    connections down (or starts the next scenario) while the other is still connecting or communicating."""
+    store.set(f"done{rank}", "1")
+    try:
+        store.wait([f"done{r}" for r in range(WORLD)], timedelta(seconds=2 * COLLECTIVE_TIMEOUT_S))
+    except Exception:  # noqa: BLE001 - the other rank is gone; the parent reports the missing scenarios
+        pass
 
 
 def _describe(exc: BaseException) -> dict:
@@ -154,6 +170,7 @@ def model(m, rank: int, job: dict, name: str, out: dict) -> None:
     m06, ctx_cls = select_load("m06_models"), select_load("m04_attention").AttentionContext
     net = m06.build_model(j["config"])
     out["returned_same"] = m.tensor_parallel(net) is net
+    out["numel"] = sum(p.numel() for p in net.parameters())
     attns = [layer.self_attn for layer in net.model.layers]
     out["heads"] = [(a.num_heads, a.num_kv_heads, a.q_size, a.kv_size) for a in attns]
     out["backend_heads"] = [(a.attn.num_heads, a.attn.num_kv_heads) for a in attns]
