@@ -162,8 +162,11 @@ def _check_against_dense(family: str) -> None:
     for history in seen.values():
         for tokens, logits in history:
             ref = _dense_last_logits(dense, tokens)
+            # hybrids: chunk-by-chunk + recurrent decode vs one chunked pass differ by fp32 rounding that the
+            # random weights amplify to a few 1e-4 (seen over 25 seeds); a lost state is off by O(1)
+            tol = 1e-3 if family.startswith("qwen3_5") else 1e-4
             assert_close(logits, ref, what=f"{family}：第 {len(tokens)} 个位置的 logits（与整段重算对比）", rand=r,
-                         atol=1e-4, rtol=1e-4)
+                         atol=tol, rtol=tol)
             total += 1
     assert total >= 6, f"只比较了 {total} 个位置：调度没有推进"
 

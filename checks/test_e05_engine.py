@@ -52,7 +52,12 @@ def _case(family: str, seed: int):
             refs.append(out[0, len(p):].tolist())
     folder = Path(tempfile.mkdtemp(prefix=f"course-e05-{family}-"))
     hf_models.save_hf(hf, folder)
+    _HF[folder] = hf
     return folder, prompts, refs
+
+
+_HF: dict = {}
+TIE = 1e-3   # a first divergence where HF's top-2 logits are closer than this is a numerical tie, not a bug
 
 
 def _greedy(e01, n=NEW_TOKENS):
@@ -65,14 +70,27 @@ def _run(family: str, r: Rand, **engine_kwargs):
     folder, prompts, refs = _case(family, r.seed)
     llm = m.LLM(str(folder), **engine_kwargs)
     outs = llm.generate(prompts, _greedy(e01))
-    return llm, prompts, refs, outs
+    return llm, prompts, refs, outs, _HF[folder]
 
 
-def _assert_same(outs, refs, prompts, what: str, r: Rand) -> None:
+def _is_tie(hf, prompt: list[int], ref: list[int], j: int, ours: int) -> bool:
+    """HF's logits where we first diverge: is our token within TIE of HF's choice?"""
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + ref[:j]])).logits[0, -1]
+        logits = logits if logits.dim() == 1 else logits[-1]
+    return float(logits[ref[j]] - logits[ours]) < TIE
+
+
+def _assert_same(outs, refs, prompts, what: str, r: Rand, hf=None) -> None:
+    ties = 0
     for i, (out, ref) in enumerate(zip(outs, refs)):
         assert out.error is None, f"{what}：请求 {i} 出错：{out.error}"
         if out.token_ids != ref:
             diverge = next((j for j, (a, b) in enumerate(zip(out.token_ids, ref)) if a != b), min(len(ref), len(out.token_ids)))
+            if (hf is not None and len(out.token_ids) == len(ref) and ties == 0
+                    and _is_tie(hf, prompts[i], ref, diverge, out.token_ids[diverge])):
+                ties += 1      # one near-tie per batch is accepted; what follows it legitimately differs
+                continue
             raise AssertionError(f"{what}：请求 {i}（prompt 长 {len(prompts[i])}）从第 {diverge} 个新 token 起与 HF generate 不同\n"
                                  f"  得到 {out.token_ids}\n  期望 {ref}\n  {r}")
 
@@ -81,15 +99,15 @@ def _assert_same(outs, refs, prompts, what: str, r: Rand) -> None:
 def test_greedy_matches_hf():
     r = Rand()
     for family in ("qwen3", "qwen3_moe", "qwen3_5_moe_text"):
-        llm, prompts, refs, outs = _run(family, r)
-        _assert_same(outs, refs, prompts, f"{family} 的 greedy 输出", r)
+        llm, prompts, refs, outs, hf = _run(family, r)
+        _assert_same(outs, refs, prompts, f"{family} 的 greedy 输出", r, hf)
 
 
 @point("prefix 共享：命中的 block 数 > 0，输出不变")
 def test_prefix_cache_hits():
     r = Rand()
-    llm, prompts, refs, outs = _run("qwen3", r, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
-    _assert_same(outs, refs, prompts, "prefix caching 打开时的输出", r)
+    llm, prompts, refs, outs, hf = _run("qwen3", r, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    _assert_same(outs, refs, prompts, "prefix caching 打开时的输出", r, hf)
     hits = llm.stats["prefix_hit_blocks"]
     assert hits > 0, f"3 条 prompt 共享 12 个 token 的前缀，却没有一个 block 命中 prefix cache（stats={llm.stats}）"
 
@@ -98,18 +116,18 @@ def test_prefix_cache_hits():
 def test_chunked_prefill():
     r = Rand()
     for family in ("qwen3", "qwen3_5_moe_text"):
-        llm, prompts, refs, outs = _run(family, r, max_num_batched_tokens=8, max_num_seqs=4, block_size=4)
-        _assert_same(outs, refs, prompts, f"{family}：token 预算 8 时的输出", r)
+        llm, prompts, refs, outs, hf = _run(family, r, max_num_batched_tokens=8, max_num_seqs=4, block_size=4)
+        _assert_same(outs, refs, prompts, f"{family}：token 预算 8 时的输出", r, hf)
 
 
 @point("抢占：KV 池很小，发生了抢占（计数 > 0），输出不变，block 全部归还")
 def test_preemption():
     r = Rand()
     for family in ("qwen3", "qwen3_5_moe_text"):
-        llm, prompts, refs, outs = _run(family, r, block_size=4, num_kvcache_blocks=14, max_num_seqs=6,
+        llm, prompts, refs, outs, hf = _run(family, r, block_size=4, num_kvcache_blocks=14, max_num_seqs=6,
                                         max_num_batched_tokens=32)
         try:
-            _assert_same(outs, refs, prompts, f"{family}：14 个 KV block 时的输出", r)
+            _assert_same(outs, refs, prompts, f"{family}：14 个 KV block 时的输出", r, hf)
         except AssertionError as exc:
             if family.startswith("qwen3_5"):
                 raise AssertionError(f"{exc}\n  看起来像易错点：抢占后没有归还 GDN 状态槽位，重算时带着旧的 conv / recurrent 状态") from exc

@@ -149,8 +149,8 @@ def test_bf16_keeps_dtype():
     s = _shape(r)
     block = oracles.talker_moe_block(r, shared_inter=s["inter"], **s)
     x32 = r.randn(r.int(5, 16), s["hidden"])
-    ref = oracles.hf_moe(block, x32)
     block16 = block.to(torch.bfloat16)
+    ref = oracles.hf_moe(block16, x32.to(torch.bfloat16)).float()   # same dtype, so the same routing decisions
     w16, x16 = oracles.moe_weights_from_hf(block16, m), x32.to(torch.bfloat16)
     weights, ids = m.route(x16, w16.router, w16.top_k, w16.norm_topk_prob)
     leak = "路由权重留在 fp32，没有在 route 返回前转回 x.dtype"
@@ -160,7 +160,7 @@ def test_bf16_keeps_dtype():
         out = m.moe_forward(x16, w16)
     assert_dtype(out, torch.bfloat16, what="bf16 输入时 moe_forward 的输出",
                  mistake="fp32 的路由权重把结果 dtype 提升了")
-    assert_close(out.float(), ref, what="bf16 的 moe_forward（与 fp32 的 HF 对比）", rand=r, atol=0.1, rtol=0.05)
+    assert_close(out.float(), ref, what="bf16 的 moe_forward（与 bf16 的 HF 对比）", rand=r, atol=3e-2, rtol=2e-2)
 
 
 class _MatmulLog(TorchDispatchMode):

@@ -25,6 +25,8 @@ LOAD_MISTAKES = {
     "unexpected key 'thinker.": "没有去掉 Omni checkpoint 的 thinker. 前缀",
     "unexpected key 'talker.": "没有跳过 Omni 的 talker / audio_tower key",
     ".mlp.gate_proj": "MoE 层与 dense 层的判断错了（decoder_sparse_step / mlp_only_layers）",
+    ".mlp.up_proj": "MoE 层与 dense 层的判断错了（decoder_sparse_step / mlp_only_layers）",
+    ".mlp.down_proj": "MoE 层与 dense 层的判断错了（decoder_sparse_step / mlp_only_layers）",
     ".mlp.experts": "MoE 层与 dense 层的判断错了（decoder_sparse_step / mlp_only_layers）",
 }
 

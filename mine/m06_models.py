@@ -36,6 +36,14 @@ from .m03_sparse_moe import MoEWeights, SharedExpert, moe_forward
 from .m04_attention import AttentionContext, GatedAttention, Qwen3Attention
 from .m05_gated_deltanet import GatedDeltaNet, GDNState
 
+# checkpoint module name -> (our packed module, shard): one matmul where HF has two or three
+PACKED_MODULES_MAPPING = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "thinker.audio_tower.", "thinker.visual.", "talker.",
                     "code2wav.")
 

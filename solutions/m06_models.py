@@ -36,6 +36,14 @@ from .m03_sparse_moe import MoEWeights, SharedExpert, moe_forward
 from .m04_attention import AttentionContext, GatedAttention, Qwen3Attention
 from .m05_gated_deltanet import GatedDeltaNet, GDNState
 
+# checkpoint module name -> (our packed module, shard): one matmul where HF has two or three
+PACKED_MODULES_MAPPING = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "thinker.audio_tower.", "thinker.visual.", "talker.",
                     "code2wav.")
 
@@ -247,10 +255,11 @@ def map_checkpoint_key(key: str) -> tuple[str, tuple] | None:
     if m := re.fullmatch(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", key):
         target = "gate_up_proj" if m.group(3) != "down" else "down_proj"
         return f"{m.group(1)}.{target}", ("expert", int(m.group(2)), m.group(3))
-    if m := re.fullmatch(r"(.*\.self_attn)\.([qkv])_proj\.weight", key):
-        return f"{m.group(1)}.qkv_proj.weight", (m.group(2),)
-    if m := re.fullmatch(r"(.*)\.(gate|up)_proj\.weight", key):
-        return f"{m.group(1)}.gate_up_proj.weight", (0 if m.group(2) == "gate" else 1,)
+    module, _, param = key.rpartition(".")               # "model.layers.0.self_attn.q_proj", "weight"
+    parent, _, leaf = module.rpartition(".")            # "model.layers.0.self_attn", "q_proj"
+    if leaf in PACKED_MODULES_MAPPING:                   # q/k/v -> qkv_proj, gate/up -> gate_up_proj
+        packed, shard = PACKED_MODULES_MAPPING[leaf]
+        return f"{parent}.{packed}.{param}", (shard,)
     return key, ()
 
 

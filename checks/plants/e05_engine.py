@@ -21,7 +21,7 @@ PLANTS = [
           new="            pass\n",
           expect="GDN 状态槽位"),
     Plant("stream_only_at_finish", "stream 攒到请求结束才一次性吐出",
-          old="                if seq_id in index:\n                    yield index[seq_id], token, finished, None\n",
-          new="                if seq_id in index and finished:\n                    yield index[seq_id], token, finished, None\n",
+          old="                    if seq_id in index:\n                        yield index[seq_id], token, finished, None\n",
+          new="                    if seq_id in index and finished:\n                        yield index[seq_id], token, finished, None\n",
           expect="攒到请求结束"),
 ]
