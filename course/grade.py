@@ -56,7 +56,9 @@ def run_checks(exercise: Exercise, selection: dict[str, str], extra_args: tuple[
             "HF_HUB_OFFLINE": "1",
             "OMP_NUM_THREADS": child_env.get("OMP_NUM_THREADS", "1"),   # tiny tensors: threads only contend
         })
+        # hypothesis and anyio register pytest plugins that cost ~1.8 s of start-up; the checks need neither
         cmd = [sys.executable, "-m", "pytest", str(exercise.checks), "-q", "-p", "no:cacheprovider",
+               "-p", "no:hypothesispytest", "-p", "no:anyio",
                "--rootdir", str(select.ROOT), "-c", os.devnull, f"--timeout={timeout_s or CHECK_TIMEOUT_S}",
                "--no-header", "-rN", *extra_args]
         try:
