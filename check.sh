@@ -37,8 +37,14 @@ bootstrap_venv() {
     local pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
     if ! command -v nvidia-smi >/dev/null 2>&1; then
         # No NVIDIA GPU: take torch's CPU build (about 200 MB) instead of the multi-GB CUDA build that
-        # PyPI serves on Linux. 2.13 is the newest CPU release this course is tested with.
-        "${pip[@]}" "torch>=2.5,<2.14" --extra-index-url "${COURSE_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
+        # PyPI serves on Linux. 2.13 is the newest CPU release this course is tested with. The CPU index
+        # is only added when it answers (offline mirrors and closed networks skip it at once).
+        local index=${COURSE_TORCH_INDEX:-https://download.pytorch.org/whl/cpu} extra=()
+        if .venv/bin/python -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' \
+                "$index/torch/" >/dev/null 2>&1; then
+            extra=(--extra-index-url "$index")
+        fi
+        "${pip[@]}" "torch>=2.5,<2.14" ${extra[@]+"${extra[@]}"}
     fi
     local deps
     deps=$(.venv/bin/python - <<'PY'
