@@ -146,7 +146,7 @@ def explain_crash(patterns: dict[str, str]):
     """
     try:
         yield
-    except (RuntimeError, IndexError, AttributeError, TypeError) as exc:
+    except (RuntimeError, IndexError, AttributeError, TypeError, ValueError) as exc:
         text = str(exc)
         for fragment, mistake in patterns.items():
             if fragment in text:

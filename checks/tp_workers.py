@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # ------------------------------------------------------------------------------------------ parent side
 
-def launch(job: dict, deadline_s: float = 25.0) -> list[dict]:
+def launch(job: dict, deadline_s: float = 60.0) -> list[dict]:
     """Run every scenario of `job` on WORLD ranks; one {scenario: {"data", "error"}} dict per rank."""
     method = "fork" if sys.platform.startswith("linux") else "spawn"
     ctx = multiprocessing.get_context(method)
@@ -78,12 +78,14 @@ def _worker(rank: int, tmp: str, job: dict) -> None:
         try:
             dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD,
                                     timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+            store.set(f"ready{rank}", "1")
             with torch.no_grad():
                 SCENARIOS[name.split(":")[0]](select.load(MODULE), rank, job, name, data)
         except Exception as exc:  # noqa: BLE001 - every failure is reported to the parent
             error = _describe(exc)
         finally:
             if error is not None and dist.is_initialized():
+                _wait(store, "ready")                 # never tear down while the peer is still connecting
                 dist.destroy_process_group()          # a peer blocked in a collective fails now, not at the timeout
             _leave_together(store, rank)
             if dist.is_initialized():
@@ -91,6 +93,13 @@ def _worker(rank: int, tmp: str, job: dict) -> None:
         results[name] = {"data": data, "error": error}
         torch.save(results, f"{tmp}/rank{rank}.tmp")
         os.replace(f"{tmp}/rank{rank}.tmp", f"{tmp}/rank{rank}.pt")
+
+
+def _wait(store, key: str) -> None:
+    try:
+        store.wait([f"{key}{r}" for r in range(WORLD)], timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    except Exception:  # noqa: BLE001 - the peer never got there; go on and let the parent report it
+        pass
 
 
 def _leave_together(store, rank: int) -> None:
