@@ -14,7 +14,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
