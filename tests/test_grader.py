@@ -6,10 +6,10 @@ from course.grade import run_checks
 M03 = registry.get("m03")
 
 
-def _grade_source(tmp_path, source: str, timeout: str = "30"):
+def _grade_source(tmp_path, source: str, timeout: int = 30):
     path = tmp_path / "m03_sparse_moe.py"
     path.write_text(source, encoding="utf-8")
-    return run_checks(M03, {"default": "solutions", M03.module: str(path)}, timeout_s=int(timeout))
+    return run_checks(M03, {"default": "solutions", M03.module: str(path)}, timeout_s=timeout)
 
 
 def test_syntax_error_is_reported_per_check_with_its_line(tmp_path):
@@ -35,6 +35,6 @@ def test_infinite_loop_times_out_and_the_grader_goes_on(tmp_path):
     stub = M03.stub.read_text(encoding="utf-8")
     source = stub.replace('raise NotImplementedError("m03: 请实现 route（见 lessons/m03_sparse_moe.md）")',
                           "while True:\n        pass")
-    grade = _grade_source(tmp_path, source, timeout="1")
+    grade = _grade_source(tmp_path, source, timeout=1)
     statuses = {r["status"] for r in grade.results}
     assert "timeout" in statuses and len(grade.results) == 10, grade.results
