@@ -211,9 +211,25 @@ def selftest(args: list[str]) -> int:
     return subprocess.call(cmd, cwd=ROOT, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
 
 
-def not_yet(command: str) -> int:
-    say(f"[yellow]./check.sh {command}：GPU 总装与 benchmark 尚未发布（Track K / G 完成后提供）。[/]")
-    return 2
+def gpu_check(args: list[str]) -> int:
+    """`./check.sh gpu`: g01's checks on the engine assembled from the passed exercises (references for the rest)."""
+    import torch
+    if args and args != ["--solutions"]:
+        say(f"[red]./check.sh gpu 不认识参数 {' '.join(args)}（只接受 --solutions）[/]")
+        return 2
+    if not torch.cuda.is_available():
+        say("[yellow]./check.sh gpu 需要 NVIDIA GPU（CUDA）：这台机器没有，GPU 校验没有运行（不算通过）。[/]")
+        return 2
+    from . import run
+    ex = registry.get("g01")
+    selection, report = run.auto_selection(gpu=True)
+    if args == ["--solutions"]:
+        selection = {"default": "solutions"}
+        report = [(i, f"solutions/{registry.get(i).module}.py") for i, _ in report]
+    say("[bold]引擎由这些文件组装[/]：" + "，".join(path for _, path in report))
+    grade = run_checks(ex, selection)
+    _print_grade(grade, "assembled engine")
+    return 0 if grade.passed else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,6 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     if command == "run":
         from . import run
         return run.main(argv[1:], say)
+    if command == "bench":
+        from . import bench
+        return bench.main(argv[1:], say)
+    if command == "gpu":
+        return gpu_check(argv[1:])
     parser = argparse.ArgumentParser(prog="./check.sh", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command")
@@ -246,6 +267,4 @@ def main(argv: list[str] | None = None) -> int:
         return reset(args.exercise)
     if command == "all":
         return grade_all(args.solutions)
-    if command in ("gpu", "bench"):
-        return not_yet(command)
     return grade_one(command, args.solutions)

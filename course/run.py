@@ -12,13 +12,14 @@ import time
 from . import registry, select, state
 
 ENGINE_MODULES = ["m01", "m02", "m03", "m04", "m05", "m06", "e01", "e02", "e03", "e04", "e05"]
+GPU_MODULES = ["k01", "k02", "k03", "k04", "g01"]
 
 
-def auto_selection() -> tuple[dict[str, str], list[tuple[str, str]]]:
+def auto_selection(gpu: bool = False) -> tuple[dict[str, str], list[tuple[str, str]]]:
     """mine/ for every passed exercise, solutions/ for the rest; and the (exercise, file) report."""
     passed = state.passed_ids(registry.CATALOGUE)
     selection, report = {"default": "solutions"}, []
-    for ex_id in ENGINE_MODULES:
+    for ex_id in ENGINE_MODULES + (GPU_MODULES if gpu else []):
         ex = registry.get(ex_id)
         folder = "mine" if ex.id in passed else "solutions"
         selection[ex.module] = folder

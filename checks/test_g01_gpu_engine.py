@@ -1,0 +1,259 @@
+"""Checks for G01 · the GPU engine (lessons/g01_gpu_engine.md). They need CUDA; without it each is skipped (需要 GPU).
+
+Oracles: HF `generate` on the GPU (fp32, TF32 off, eager attention, greedy, no eos) for every family; the
+engine's own eager run for CUDA-graph decode (same shapes, so bf16 must agree token for token); the engine's
+own unconstrained run for prefix caching, chunked prefill and preemption.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from checks import hf_models
+from checks.kit import Rand, explain_crash, impl, point
+
+MODULE = "g01_gpu_engine"
+NEW_TOKENS = 32
+TIE = 1e-3
+CUDA = torch.cuda.is_available()
+pytestmark = [pytest.mark.timeout(600), pytest.mark.skipif(not CUDA, reason="需要 GPU")]
+CAPTURE = {
+    "operation not permitted when stream is capturing": "在 CUDA graph 的 capture 区域里同步了 host（.item() / .tolist() / "
+                                                        "按数据决定形状）：decode 的前向里不能有 host 同步",
+    "capturing": "在 CUDA graph 的 capture 区域里同步了 host：decode 的前向里不能有 host 同步",
+}
+
+
+def _fp32():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def gpu_config(family: str, r: Rand, vocab: int = 96, layers: int | None = None):
+    """tiny_config with head dims the Triton kernels tile (>= 32), otherwise the same randomised families."""
+    config = hf_models.tiny_config(family, r, vocab=vocab, layers=layers)
+    config.head_dim = r.choice([32, 64])
+    config.hidden_size = r.choice([64, 96])
+    rope = getattr(config, "rope_parameters", None)
+    if rope and rope.get("mrope_section"):
+        rotary = int(config.head_dim * rope.get("partial_rotary_factor", 1.0))
+        rope["mrope_section"] = hf_models._section(rotary)
+    if hasattr(config, "linear_key_head_dim"):
+        config.linear_key_head_dim = 32
+        config.linear_value_head_dim = r.choice([32, 64])
+    if getattr(config, "moe_intermediate_size", None):
+        config.moe_intermediate_size = r.choice([32, 64])
+    if hasattr(config, "shared_expert_intermediate_size"):
+        config.shared_expert_intermediate_size = 32
+    return config
+
+
+@functools.lru_cache(maxsize=None)
+def _case(family: str, seed: int):
+    """A tiny HF model of `family` on the GPU, saved to a folder; 9 prompts (3 share a prefix) and HF's answers."""
+    _fp32()
+    r = Rand(seed)
+    config = gpu_config(family, r)
+    hf = hf_models.hf_model(family, config, r).cuda()
+    shared = r.randint(1, 96, (12,)).tolist()
+    prompts = [r.randint(1, 96, (r.int(1, 40),)).tolist() for _ in range(6)]
+    prompts += [shared + r.randint(1, 96, (r.int(1, 6),)).tolist() for _ in range(3)]
+    refs = [_hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    folder = Path(tempfile.mkdtemp(prefix=f"course-g01-{family}-"))
+    if family == "qwen3_omni_moe_text":
+        hf_models.omni_checkpoint(hf.cpu(), folder)
+        hf.cuda()
+    else:
+        hf_models.save_hf(hf, folder, max_shard_size="5GB")
+    return folder, prompts, refs, hf
+
+
+@torch.no_grad()
+def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    if hasattr(hf, "generate"):
+        ids = torch.tensor([prompt], device="cuda")
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                          pad_token_id=0, eos_token_id=None)
+        return out[0, len(prompt):].tolist()
+    seq = list(prompt)                       # the Omni thinker's text model has no generate: greedy by hand
+    for _ in range(n):
+        seq.append(int(hf(torch.tensor([seq], device="cuda"))[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+def _greedy(n=NEW_TOKENS):
+    return impl("e01_sampling").SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def _is_tie(hf, prompt, ref, j, ours) -> bool:
+    with torch.no_grad():
+        out = hf(torch.tensor([prompt + ref[:j]], device="cuda"))
+        logits = (out.logits if hasattr(out, "logits") else out)[0, -1]
+    return float(logits[ref[j]] - logits[ours]) < TIE
+
+
+def _assert_same(outs, refs, prompts, what, r, hf=None):
+    ties = 0
+    for i, (out, ref) in enumerate(zip(outs, refs)):
+        assert out.error is None, f"{what}：请求 {i} 出错：{out.error}"
+        if out.token_ids != ref:
+            j = next((j for j, (a, b) in enumerate(zip(out.token_ids, ref)) if a != b), min(len(ref), len(out.token_ids)))
+            if hf is not None and len(out.token_ids) == len(ref) and ties == 0 and _is_tie(hf, prompts[i], ref, j, out.token_ids[j]):
+                ties += 1
+                continue
+            raise AssertionError(f"{what}：请求 {i}（prompt 长 {len(prompts[i])}）从第 {j} 个新 token 起不同\n"
+                                 f"  得到 {out.token_ids}\n  期望 {ref}\n  {r}")
+
+
+def _llm(folder, **kwargs):
+    m = impl(MODULE)
+    kwargs = {"device": "cuda", "max_num_seqs": 16, "max_model_len": 512, "num_kvcache_blocks": 256,
+              "block_size": 16, **kwargs}
+    with explain_crash(CAPTURE):
+        return m.LLM(str(folder), **kwargs)
+
+
+@point("fp32 greedy 与 HF generate 逐 token 一致：五个家族，CUDA graphs 开与关")
+def test_fp32_matches_hf_all_families():
+    r = Rand()
+    for family in hf_models.FAMILIES:
+        folder, prompts, refs, hf = _case(family, r.seed)
+        for eager in (True, False):
+            llm = _llm(folder, dtype=torch.float32, enforce_eager=eager)
+            with explain_crash(CAPTURE):
+                outs = llm.generate(prompts, _greedy())
+            what = f"{family}（{'eager' if eager else 'CUDA graphs'}）"
+            try:
+                _assert_same(outs, refs, prompts, what, r, hf)
+            except AssertionError as exc:
+                if not eager:
+                    raise AssertionError(f"{exc}\n  eager 正确而 CUDA graphs 不对，看起来像易错点：replay 前没把本步的输入"
+                                         "拷进 graph 的静态 buffer（graph 读的是 capture 时的地址），或 padding 行写进了"
+                                         "别人的 KV / GDN 槽位") from exc
+                raise
+            assert llm.runner.graphs or eager, f"{what}：没有 capture 任何 CUDA graph"
+
+
+def _real_size(family: str, r: Rand):
+    """The real hidden sizes with few layers and a smaller vocabulary (fp32 fits easily)."""
+    from transformers import Qwen3_5MoeTextConfig, Qwen3Config
+    if family == "qwen3":
+        return Qwen3Config(vocab_size=4096, hidden_size=1024, intermediate_size=3072, num_hidden_layers=2,
+                           num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+                           tie_word_embeddings=True, attn_implementation="eager")
+    return Qwen3_5MoeTextConfig(vocab_size=4096, num_hidden_layers=4, max_position_embeddings=4096,
+                                attn_implementation="eager", experts_implementation="eager")
+
+
+@point("真实尺寸（Qwen3-0.6B 与 Qwen3.5-35B-A3B 的宽度，少几层）fp32 greedy 与 HF 一致")
+def test_real_size_few_layers():
+    r = Rand()
+    _fp32()
+    from transformers import AutoModelForCausalLM
+    for family in ("qwen3", "qwen3_5_moe_text"):
+        config = _real_size(family, r)
+        with torch.device("cuda"):
+            hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if "norm" in name or name.endswith(("A_log", "dt_bias")):
+                    p.add_(0.05 * torch.randn(p.shape, generator=r.gen).cuda())
+                else:
+                    p.copy_(0.02 * torch.randn(p.shape, generator=r.gen).cuda())
+        prompts = [r.randint(1, 4096, (r.int(20, 200),)).tolist() for _ in range(3)]
+        refs = [_hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+        folder = Path(tempfile.mkdtemp(prefix=f"course-g01-real-{family}-"))
+        hf.save_pretrained(folder)
+        llm = _llm(folder, dtype=torch.float32, max_model_len=1024, num_kvcache_blocks=128)
+        outs = llm.generate(prompts, _greedy())
+        _assert_same(outs, refs, prompts, f"{family} 真实尺寸", r, hf)
+        del hf, llm
+        torch.cuda.empty_cache()
+
+
+@point("bf16：CUDA-graph decode 与 eager decode 逐 token 相同；首步 logits 接近 HF bf16；打印与 HF 的一致率")
+def test_bf16_graphs_equal_eager():
+    r = Rand()
+    e02 = impl("e02_block_manager")
+    for family in ("qwen3", "qwen3_moe", "qwen3_5_moe_text"):
+        folder, prompts, refs, hf = _case(family, r.seed)
+        batch = [p[:8] + [1] * max(0, 8 - len(p)) for p in prompts] + [prompts[0][:8] + [2] * 8] * 7   # 16 rows
+        outs = {}
+        for eager in (True, False):
+            llm = _llm(folder, dtype=torch.bfloat16, enforce_eager=eager)
+            outs[eager] = [o.token_ids for o in llm.generate(batch, _greedy(64))]
+        assert outs[True] == outs[False], (f"{family}：bf16 下 CUDA graph decode 与 eager decode 的 token 不同"
+                                           "（形状相同，应该逐位相同）；看起来像易错点：replay 读到了旧的静态 buffer")
+        # first-step logits against HF in bf16
+        hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)
+        prompt = prompts[0]
+        seq = e02.Sequence(prompt)
+        seq.block_size = 16
+        seq.block_table = list(range(-(-len(prompt) // 16)))
+        seq.num_scheduled_tokens = len(prompt)
+        with torch.inference_mode():
+            hidden, last = llm.runner._run_prefill([seq])
+            ours = llm.model.compute_logits(hidden).float()
+            out = hf_bf16(torch.tensor([prompt], device="cuda"))
+            theirs = (out.logits if hasattr(out, "logits") else out)[0].float()
+        llm.runner.release(seq)
+        err = (ours - theirs).abs().max().item()
+        scale = theirs.abs().max().item()
+        assert err <= 0.05 * scale + 0.05, f"{family}：bf16 首步 logits 与 HF bf16 差 {err:.3g}（量级 {scale:.3g}），超过 5%"
+        agree = sum(a == b for o, rf in zip(outs[False][:len(refs)], refs) for a, b in zip(o, rf))
+        print(f"{family}: bf16 vs HF fp32 greedy agreement {agree}/{sum(len(x) for x in refs)} tokens; "
+              f"max |Δlogit| vs HF bf16 {err:.3g}")
+
+
+@point("GPU 上 prefix cache 命中、chunked prefill、300+ 请求的小 KV 池压力测试与不受限运行逐 token 一致，block 与 GDN 槽位全部归还")
+def test_engine_features_on_gpu():
+    r = Rand()
+    e01 = impl("e01_sampling")
+    for family in ("qwen3", "qwen3_5_moe_text"):
+        folder, prompts, refs, hf = _case(family, r.seed)
+        hybrid = family.startswith("qwen3_5")
+        llm = _llm(folder, dtype=torch.float32, max_num_batched_tokens=16, max_num_seqs=4, block_size=16)
+        _assert_same(llm.generate(prompts, _greedy()), refs, prompts, f"{family} chunked prefill（预算 16）", r, hf)
+        if not hybrid:                      # 4 prompts share 40 tokens = 2 full blocks of 16
+            shared = r.randint(1, 96, (40,)).tolist()
+            pre = [shared + r.randint(1, 96, (r.int(1, 8),)).tolist() for _ in range(4)]
+            base = _llm(folder, dtype=torch.float32, enable_prefix_caching=False).generate(pre, _greedy())
+            cached = _llm(folder, dtype=torch.float32, max_num_seqs=1, max_num_batched_tokens=64)
+            outs = cached.generate(pre, _greedy())
+            assert [o.token_ids for o in outs] == [o.token_ids for o in base], \
+                f"{family}：prefix cache 命中后的输出与不用 prefix cache 时不同；{r}"
+            assert cached.stats["prefix_hit_blocks"] >= 6, \
+                f"4 条 prompt 共享 2 个满 block，后 3 条应命中 6 个 block：{cached.stats}"
+        many = [r.randint(1, 96, (r.int(1, 40),)).tolist() for _ in range(320)]
+        params = [e01.SamplingParams(temperature=0.0, max_tokens=r.int(1, 12), ignore_eos=True) if i % 3 else
+                  e01.SamplingParams(temperature=1.0, top_k=8, seed=i, max_tokens=r.int(1, 12), ignore_eos=True)
+                  for i in range(len(many))]
+        free = _llm(folder, dtype=torch.float32, max_num_seqs=64, num_kvcache_blocks=2048).generate(many, params)
+        tight = _llm(folder, dtype=torch.float32, max_num_seqs=16, num_kvcache_blocks=12, max_num_batched_tokens=64)
+        outs = tight.generate(many, params)
+        for i, (a, b) in enumerate(zip(outs, free)):
+            assert a.error is None and a.token_ids == b.token_ids, \
+                f"{family} 请求 {i}：小 KV 池（有抢占）与不受限运行不同：{a.token_ids} vs {b.token_ids}；{r}"
+        stats = tight.stats
+        assert stats["preemptions"] > 0, f"{family}：12 个 block 应逼出抢占（{stats}）"
+        assert stats["free_blocks"] == stats["total_blocks"], f"{family}：结束后 block 没有全部归还：{stats}"
+        pool = tight.runner.gdn_pool
+        if pool is not None:
+            assert not pool.slot_of, f"{family}：结束后还有 GDN 槽位被占用：{pool.slot_of}"
+
+
+@point("GPU 上的坏输入：各自报错，其余请求照常完成")
+def test_bad_input_on_gpu():
+    r = Rand()
+    folder, prompts, refs, hf = _case("qwen3", r.seed)
+    llm = _llm(folder, dtype=torch.float32, max_model_len=64)
+    outs = llm.generate([prompts[0], [], list(range(1, 70)), [5, 96, 3], prompts[1]], _greedy())
+    _assert_same([outs[0], outs[4]], [refs[0], refs[1]], [prompts[0], prompts[1]], "坏请求旁边的正常请求", r, hf)
+    for i, needle in ((1, "empty"), (2, "max_model_len"), (3, "vocab")):
+        assert outs[i].error and needle in outs[i].error, f"坏请求 {i} 的错误应提到 {needle!r}：{outs[i].error!r}"

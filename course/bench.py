@@ -1,0 +1,222 @@
+"""`./check.sh bench`: the engine on the nano-vllm bench workload, beside HF transformers in the same run.
+
+Workload (nano-vllm's bench.py): random.seed(0); num_seqs prompts of randint(0, 10000) token ids with lengths
+randint(100, max_input_len), then output lengths randint(100, max_output_len); temperature 0.6, ignore_eos;
+throughput = output tokens / wall time of one generate() call (after a warm-up request).
+Models: the real architectures with dummy bf16 weights built on the GPU (no download).
+
+    ./check.sh bench [--model qwen3-0.6b|qwen3-30b-a3b|qwen3.5-35b-a3b] [--num-seqs 256] [--peer hf]
+                     [--peer-num-seqs 64] [--enforce-eager] [--plot out.png] [--json out.json]
+    ./check.sh bench k01|k02|k03|k04        the kernel benchmarks of Track K
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+MODELS = {
+    "qwen3-0.6b": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                       tie_word_embeddings=True),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                          max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                          tie_word_embeddings=False),
+    # Qwen3_5MoeTextConfig's defaults are the 35B-A3B text model (40 layers, 3 GDN : 1 full attention)
+    "qwen3.5-35b-a3b": dict(model_type="qwen3_5_moe_text", max_position_embeddings=32768),
+}
+
+
+def hf_config(name: str):
+    from transformers import AutoConfig
+    spec = dict(MODELS[name])
+    return AutoConfig.for_model(spec.pop("model_type"), **spec)
+
+
+def workload(num_seqs: int, max_input_len: int, max_output_len: int) -> tuple[list[list[int]], list[int]]:
+    """nano-vllm's bench.py, draw for draw: all prompts first, then all output lengths."""
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_input_len))] for _ in range(num_seqs)]
+    out_lens = [random.randint(100, max_output_len) for _ in range(num_seqs)]
+    return prompts, out_lens
+
+
+def run_engine(args, prompts, out_lens) -> dict:
+    import torch
+    from course import run, select
+    selection, report = run.auto_selection(gpu=True)
+    select.use(selection)
+    if not getattr(args, "_reported", False):
+        print("engine files: " + ", ".join(path for _, path in report))
+        args._reported = True
+    SamplingParams = select.load("e01_sampling").SamplingParams
+    g01 = select.load("g01_gpu_engine")
+    t0 = time.perf_counter()
+    llm = g01.LLM(hf_config(args.model), max_num_seqs=args.max_num_seqs, max_num_batched_tokens=16384,
+                  max_model_len=args.max_model_len, block_size=args.block_size, enforce_eager=args.enforce_eager,
+                  gpu_memory_utilization=0.9)
+    startup = time.perf_counter() - t0
+    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8))          # warm-up
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in out_lens]
+    steps: list[tuple[float, int, bool]] = []       # (seconds, tokens sampled, decode step?)
+    inner = llm.step
+
+    def step():
+        t = time.perf_counter()
+        events = inner()
+        steps.append((time.perf_counter() - t, len(events), llm.runner.last_was_decode))
+        return events
+    llm.step = step
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    tokens = sum(len(o.token_ids) for o in outs)
+    assert tokens == sum(out_lens), f"engine produced {tokens} tokens, expected {sum(out_lens)}"
+    prompt_tokens = sum(len(p) for p in prompts)
+    decode_steps = [s for s in steps if s[2]]
+    prefill_time = sum(s[0] for s in steps if not s[2])
+    decode_time = sum(s[0] for s in decode_steps)
+    decode_tokens = sum(s[1] for s in decode_steps)
+    result = dict(engine="course", model=args.model, num_seqs=len(prompts), output_tokens=tokens,
+                  prompt_tokens=prompt_tokens, seconds=wall, tok_per_s=tokens / wall,
+                  prefill_tok_per_s=prompt_tokens / max(prefill_time, 1e-9),
+                  decode_tok_per_s=decode_tokens / max(decode_time, 1e-9), steps=len(steps),
+                  mean_step_ms=1e3 * wall / max(len(steps), 1),
+                  mean_decode_step_ms=1e3 * decode_time / max(len(decode_steps), 1),
+                  kv_blocks=llm.runner.num_blocks, block_size=args.block_size,
+                  cuda_graph_buckets=sorted(llm.runner.graphs), startup_s=startup)
+    result["timeline"] = steps
+    del llm
+    torch.cuda.empty_cache()
+    return result
+
+
+def run_hf_peer(args, prompts, out_lens) -> dict:
+    """HF transformers 5.17 on the same prompts: continuous batching (paged|sdpa) where HF supports the model,
+    else (hybrid Qwen3.5: HF CB refuses linear-attention layers) generate() on static left-padded batches."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    cfg = hf_config(args.model)
+    hybrid = "linear_attention" in (getattr(cfg, "layer_types", None) or [])
+    attn = "sdpa" if hybrid else "paged|sdpa"
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation=attn).eval()
+    gen = GenerationConfig(do_sample=True, temperature=0.6, top_k=0, top_p=1.0, eos_token_id=None,
+                           pad_token_id=0, max_new_tokens=max(out_lens))
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    tokens = 0
+    if not hybrid:
+        manager = model.init_continuous_batching(generation_config=gen)
+        manager.start()
+        try:
+            ids = [manager.add_request(p, max_new_tokens=n) for p, n in zip(prompts, out_lens)]
+            done = 0
+            while done < len(ids):
+                r = manager.get_result(timeout=600)
+                if r is not None and r.is_finished():
+                    done += 1
+                    tokens += len(r.generated_tokens)
+        finally:
+            manager.stop(block=True)
+        peer = "HF continuous batching (paged|sdpa)"
+    else:
+        batch = 16
+        for i in range(0, len(prompts), batch):
+            chunk, lens = prompts[i:i + batch], out_lens[i:i + batch]
+            width = max(len(p) for p in chunk)
+            input_ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk], device="cuda")
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device="cuda")
+            out = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=gen,
+                                 max_new_tokens=max(lens))
+            tokens += sum(min(n, out.shape[1] - width) for n in lens)   # count only what each request asked for
+        peer = "HF generate, static batches of 16 (sdpa; HF CB refuses linear attention)"
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    del model
+    torch.cuda.empty_cache()
+    return dict(engine=peer, model=args.model, num_seqs=len(prompts), output_tokens=tokens, seconds=wall,
+                tok_per_s=tokens / wall)
+
+
+def main(argv: list[str], say) -> int:
+    if argv and argv[0] in ("k01", "k02", "k03", "k04"):
+        from course import bench_kernels
+        return bench_kernels.main(argv, say)
+    p = argparse.ArgumentParser(prog="./check.sh bench")
+    p.add_argument("--model", choices=sorted(MODELS), default="qwen3-0.6b")
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--max-input-len", type=int, default=1024)
+    p.add_argument("--max-output-len", type=int, default=1024)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--peer", choices=["hf", "none"], default="none")
+    p.add_argument("--peer-num-seqs", type=int, default=None,
+                   help="a smaller shared workload for both (HF needs minutes for the full one)")
+    p.add_argument("--plot", default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    import torch
+    if not torch.cuda.is_available():
+        say("[yellow]./check.sh bench 需要 NVIDIA GPU（CUDA）；这台机器没有，未运行。[/]")
+        return 2
+    from rich.table import Table
+    prompts, out_lens = workload(args.num_seqs, args.max_input_len, args.max_output_len)
+    results = [run_engine(args, prompts, out_lens)]
+    if args.peer == "hf":
+        n = args.peer_num_seqs or args.num_seqs
+        if n != args.num_seqs:          # the shared smaller workload: both engines on the same prompts
+            sp, so = prompts[:n], out_lens[:n]
+            small = run_engine(args, sp, so)
+            small["engine"] = f"course ({n} prompts)"
+            results.append(small)
+            results.append(run_hf_peer(args, sp, so))
+        else:
+            results.append(run_hf_peer(args, prompts, out_lens))
+    table = Table(title=f"./check.sh bench --model {args.model}  ({torch.cuda.get_device_name()})")
+    for col in ("engine", "prompts", "output tok", "seconds", "output tok/s", "prefill tok/s", "decode tok/s",
+                "mean step ms", "decode step ms"):
+        table.add_column(col)
+    for r in results:
+        table.add_row(r["engine"], str(r["num_seqs"]), str(r["output_tokens"]), f"{r['seconds']:.2f}",
+                      f"{r['tok_per_s']:.0f}", f"{r.get('prefill_tok_per_s', 0):.0f}",
+                      f"{r.get('decode_tok_per_s', 0):.0f}", f"{r.get('mean_step_ms', 0):.2f}",
+                      f"{r.get('mean_decode_step_ms', 0):.2f}")
+    say(table)
+    eng = results[0]
+    say(f"KV blocks {eng['kv_blocks']} × {eng['block_size']} tokens; CUDA-graph buckets {eng['cuda_graph_buckets']}; "
+        f"start-up {eng['startup_s']:.1f} s")
+    if len(results) == 3:
+        say(f"[bold]ratio course / HF on the same {results[1]['num_seqs']} prompts: "
+            f"{results[1]['tok_per_s'] / results[2]['tok_per_s']:.1f}×[/]")
+    if args.plot:
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+            tl = eng["timeline"]
+            t = [sum(s[0] for s in tl[:i + 1]) for i in range(len(tl))]
+            fig, ax = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
+            ax[0].plot(t, [s[1] / s[0] for s in tl], lw=0.6)
+            ax[0].set_ylabel("tokens/s per step")
+            ax[1].plot(t, [s[1] for s in tl], lw=0.6)
+            ax[1].set_ylabel("tokens sampled")
+            ax[1].set_xlabel("seconds")
+            fig.savefig(args.plot, dpi=120)
+        except ImportError:
+            say("matplotlib 不可用，跳过 --plot")
+    line = json.dumps([{k: v for k, v in r.items() if k != "timeline"} for r in results])
+    print("BENCH_JSON " + line)
+    if args.json:
+        open(args.json, "w").write(line)
+    return 0
