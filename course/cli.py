@@ -229,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     if command == "run":
         from . import run
         return run.main(argv[1:], say)
+    if command == "bench" and argv[1:2] and argv[1] in ("k01", "k02"):
+        from .bench_kernels import bench_kernel
+        return bench_kernel(argv[1], argv[2:])
     parser = argparse.ArgumentParser(prog="./check.sh", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command")
