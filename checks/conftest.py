@@ -23,6 +23,16 @@ from course import select  # noqa: E402
 
 select.install()
 
+
+def _triton_interpreter_without_cuda() -> None:
+    """Track K: without CUDA the Triton kernels run in the interpreter (read when triton is imported)."""
+    import torch
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_triton_interpreter_without_cuda()
+
 _results: list[dict] = []
 
 

@@ -181,9 +181,13 @@ def run_hf_peer(args, prompts, out_lens) -> dict:
 
 
 def main(argv: list[str], say) -> int:
-    if argv and argv[0] in ("k01", "k02", "k03", "k04"):
-        from course import bench_kernels
-        return bench_kernels.main(argv, say)
+    if argv and argv[0] in ("k01", "k02"):
+        from .bench_kernels import bench_kernel
+        return bench_kernel(argv[0], argv[1:])
+    if argv and argv[0] in ("k03", "k04"):
+        import importlib
+        module = importlib.import_module(f"course.bench_{argv[0]}")
+        return getattr(module, f"bench_{argv[0]}")(argv[1:])
     p = argparse.ArgumentParser(prog="./check.sh bench")
     p.add_argument("--model", choices=sorted(MODELS), default="qwen3-0.6b")
     p.add_argument("--num-seqs", type=int, default=256)

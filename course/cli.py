@@ -99,7 +99,8 @@ def _print_grade(grade: Grade, source: str) -> None:
     ex = grade.exercise
     say(f"[bold]{ex.id} · {ex.title}[/]  [dim]({source}, {grade.seconds:.1f} s)[/]")
     for r in grade.results:
-        say(f"  {RESULT_LABEL.get(r['status'], r['status'])} {r['point']}")
+        reason = f"  [dim]({r['message'].removeprefix('Skipped: ')})[/]" if r["status"] == "skipped" else ""
+        say(f"  {RESULT_LABEL.get(r['status'], r['status'])} {r['point']}{reason}")
     if grade.crash:
         say(f"[red]{grade.crash}[/]")
         return
@@ -129,7 +130,9 @@ def grade_one(exercise_id: str, solutions: bool) -> int:
     if grade.passed:
         done = state.passed_ids(registry.CATALOGUE) | {ex.id}
         nxt = registry.next_after(ex.id, done)
-        say(f"\n[green bold]全部 {total} 项通过。[/]")
+        skipped = grade.count("skipped")
+        say(f"\n[green bold]全部 {total} 项通过。[/]" if not skipped else
+            f"\n[green bold]{n} 项通过[/]，{skipped} 项跳过（需要 GPU，在 GPU 上再运行一次以完成验收）。")
         if not solutions:
             say(f"参考解：{ex.reference.relative_to(ROOT)}（讲解见书 附录 {ex.solution_ref}）。"
                           f"下一个练习：{nxt.id + ' ' + nxt.title if nxt else '没有了，全部完成！'}")

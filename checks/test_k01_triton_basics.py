@@ -1,0 +1,232 @@
+"""Checks for K01 · Triton basics (lessons/k01_triton_basics.md).
+
+Oracles: e04's torch `store_kvcache` (index assignment into the flat cache view) and m01's `rms_norm` /
+`gemma_rms_norm` with the residual protocol. Without CUDA the kernels run in the Triton interpreter
+(checks/conftest.py sets TRITON_INTERPRET=1) at small fp32 / fp16 shapes; with CUDA the last check also runs
+them natively at 8k tokens in bf16 (skipped, never passed, without a GPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checks.kit import Rand, assert_close, assert_equal, impl, needs_cuda, point
+
+MODULE = "k01_triton_basics"
+torch.set_num_threads(1)
+
+M_SLOT_NEG = "slot = −1 的填充行也写了（应整行跳过：if slot < 0: return）"
+M_STRIDE = "把 k/v 当成连续张量（token 步长写成 nKV·D）：从 qkv 切出的 k/v 是非连续 view，应传 k.stride(0)"
+M_STATS_DTYPE = "平方和在 x.dtype（fp16/bf16）里算：统计量必须先 .to(tl.float32)"
+M_BLOCK_MEAN = "均值除以了 BLOCK_H（补齐到 2 的幂的块宽）而不是真实的 H"
+M_CAST_ORDER = "cast 顺序写反：Qwen3 是先 n.to(x.dtype) 再乘 w，(1+w) norm 是在 fp32 里乘完再 cast"
+M_GEMMA_W = "(1+w) norm 乘了 w 而不是 1 + w"
+M_SUM_UNROUNDED = "对未舍入的 fp32 和 x + residual 求统计量：应先把和舍入到 x.dtype（与 HF / m01 一致），再求 norm"
+M_RES_OUT = "返回的 residual 不是 x + residual"
+
+
+def _guarded_caches(num_blocks: int, page: int, nkv: int, d: int, dtype=torch.float32, device="cpu"):
+    """k/v caches that are views into buffers with one guard block before and after (NaN-free sentinels)."""
+    bufs = [torch.full((num_blocks + 2, page, nkv, d), -100.0, dtype=dtype, device=device) for _ in range(2)]
+    return bufs, [b[1:-1] for b in bufs]
+
+
+def _store_case(r: Rand, dtype=torch.float32, device="cpu", n=None, pad=True):
+    nkv, d, page = r.choice([1, 2, 4]), r.choice([16, 32, 48]), r.choice([16, 32])
+    n = n or r.int(3, 24)
+    num_blocks = (n + page - 1) // page + r.int(1, 3)
+    nh = nkv * r.int(1, 3)
+    qkv = r.randn(n, (nh + 2 * nkv) * d, dtype=dtype).to(device)                 # the fused projection
+    q_, k, v = qkv.split([nh * d, nkv * d, nkv * d], dim=-1)
+    k, v = k.view(n, nkv, d), v.view(n, nkv, d)                                    # strided views
+    slots = torch.randperm(num_blocks * page, generator=r.gen)[:n].to(device)
+    if pad:
+        slots[r.int(0, n - 1)] = -1
+    return k, v, slots, num_blocks, page
+
+
+def _expected_caches(bufs, k, v, slots):
+    exp = [b.clone() for b in bufs]
+    keep = slots >= 0
+    for e, src in zip(exp, (k, v)):
+        e[1:-1].reshape(-1, *e.shape[2:])[slots[keep].long()] = src[keep]
+    return exp
+
+
+@point("store_kvcache 写入正确的槽位")
+def test_store_kvcache_slots():
+    m = impl(MODULE)
+    for slot_dtype in (torch.int64, torch.int32):
+        r = Rand()
+        k, v, slots, nb, page = _store_case(r, pad=False)
+        bufs, (kc, vc) = _guarded_caches(nb, page, k.shape[1], k.shape[2])
+        exp = _expected_caches(bufs, k, v, slots)
+        m.store_kvcache(k.contiguous(), v.contiguous(), kc, vc, slots.to(slot_dtype))
+        assert_equal(bufs[0], exp[0], what=f"k_cache（slot_mapping {slot_dtype}）", rand=r)
+        assert_equal(bufs[1], exp[1], what=f"v_cache（slot_mapping {slot_dtype}）", rand=r)
+
+
+@point("slot = −1 的填充行不写")
+def test_store_kvcache_skips_padding():
+    m = impl(MODULE)
+    r = Rand()
+    k, v, slots, nb, page = _store_case(r)
+    bufs, (kc, vc) = _guarded_caches(nb, page, k.shape[1], k.shape[2])
+    exp = _expected_caches(bufs, k, v, slots)
+    m.store_kvcache(k.contiguous(), v.contiguous(), kc, vc, slots)
+    for got, want, name in ((bufs[0], exp[0], "k_cache"), (bufs[1], exp[1], "v_cache")):
+        if not torch.equal(got, want):
+            outside = not torch.equal(got[0], want[0]) or not torch.equal(got[-1], want[-1])
+            where = "cache 之外（前后的保护块）被改写了" if outside else "cache 内有槽位与参考不同"
+            raise AssertionError(f"{name}：slot_mapping 含 −1 时 {where}；{r}\n  看起来像易错点：{M_SLOT_NEG}")
+
+
+@point("store_kvcache 处理 qkv 切出的非连续 k/v")
+def test_store_kvcache_strided_views():
+    m = impl(MODULE)
+    r = Rand()
+    k, v, slots, nb, page = _store_case(r)
+    assert not k.is_contiguous()
+    bufs, (kc, vc) = _guarded_caches(nb, page, k.shape[1], k.shape[2])
+    exp = _expected_caches(bufs, k, v, slots)
+    m.store_kvcache(k, v, kc, vc, slots)
+    for got, want, name in ((bufs[0], exp[0], "k_cache"), (bufs[1], exp[1], "v_cache")):
+        if not torch.equal(got, want):
+            raise AssertionError(f"{name}：k/v 是 qkv 的非连续 view 时写入的内容不对；{r}\n  看起来像易错点：{M_STRIDE}")
+
+
+def _m01_fused(x, residual, w, eps, gemma):
+    m01 = impl("m01_rmsnorm")
+    norm = m01.gemma_rms_norm if gemma else m01.rms_norm
+    if residual is None:
+        return norm(x, w, eps), None
+    s = x + residual
+    return norm(s, w, eps), s
+
+
+def _call(m, x, residual, w, eps, gemma):
+    out = m.add_rms_norm(x, residual, w, eps, gemma=gemma)
+    if residual is None:
+        assert isinstance(out, torch.Tensor), f"residual=None 时应返回一个张量，得到 {type(out).__name__}"
+        return out, None
+    assert isinstance(out, tuple) and len(out) == 2, "有 residual 时应返回 (normed, x + residual) 两个张量"
+    return out
+
+
+@point("add_rms_norm 的残差协议与 m01 一致（任意前导维度）")
+def test_add_rms_norm_protocol_fp32():
+    m = impl(MODULE)
+    r = Rand()
+    for gemma in (False, True):
+        hidden = r.choice([48, 96, 100, 128])
+        shape = r.choice([(r.int(1, 9), hidden), (r.int(1, 4), r.int(1, 4), hidden)])
+        x, res, w = r.randn(*shape), r.randn(*shape), r.randn(hidden, scale=0.5)
+        for residual in (None, res):
+            out, s = _call(m, x, residual, w, 1e-6, gemma)
+            ref, ref_s = _m01_fused(x, residual, w, 1e-6, gemma)
+            wrong_mean = ref * (triton_block(hidden) / hidden) ** 0.5
+            wrong_w = _m01_fused(x, residual, w, 1e-6, False)[0] if gemma else None
+            name = "gemma=True" if gemma else "gemma=False"
+            assert_close(out, ref, what=f"add_rms_norm（{name}，x {list(shape)}）", rand=r,
+                         looks_like=[(wrong_mean, M_BLOCK_MEAN), (wrong_w, M_GEMMA_W)])
+            if s is not None:
+                assert_close(s, ref_s, what="返回的 residual", rand=r, looks_like=[(res, M_RES_OUT)])
+
+
+def triton_block(hidden: int) -> int:
+    return 1 << (hidden - 1).bit_length()
+
+
+def _ulp_match(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Fraction of elements bit-equal to the reference (fp16: cast-order mistakes move ~1/4 of them)."""
+    return float((out == ref).float().mean())
+
+
+@point("fp16 下 cast 顺序与 m01 逐位一致（≥ 98% 元素）")
+def test_cast_order_fp16():
+    m = impl(MODULE)
+    r = Rand()
+    h = 128
+    x, res = r.randn(64, h, dtype=torch.float16), r.randn(64, h, dtype=torch.float16)
+    w = r.randn(h, scale=0.3, dtype=torch.float16) + 1
+    for gemma in (False, True):
+        ww = w - 1 if gemma else w
+        out, s = _call(m, x, res, ww, 1e-6, gemma)
+        ref, ref_s = _m01_fused(x, res, ww, 1e-6, gemma)
+        assert out.dtype == torch.float16, f"fp16 输入应返回 fp16，得到 {out.dtype}"
+        assert_equal(s, ref_s, what="fp16 的 residual 和", rand=r)
+        hit = _ulp_match(out, ref)
+        if hit < 0.98:
+            other = (_m01_fused(x, res, ww + 1, 1e-6, False)[0] if gemma
+                     else _m01_fused(x, res, ww - 1, 1e-6, True)[0])
+            sf = x.float() + res.float()                                          # the sum, never rounded
+            n = sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + 1e-6)
+            unrounded = ((n * (1 + ww.float())).half() if gemma else ww * n.half())
+            msg = f"add_rms_norm fp16（gemma={gemma}）只有 {hit:.1%} 的元素与 m01 逐位相同（应 ≥ 98%）；{r}"
+            if _ulp_match(out, other) >= 0.98:
+                msg += f"\n  看起来像易错点：{M_CAST_ORDER}"
+            elif _ulp_match(out, unrounded) >= 0.98:
+                msg += f"\n  看起来像易错点：{M_SUM_UNROUNDED}"
+            raise AssertionError(msg)
+        assert_close(out, ref, what=f"add_rms_norm fp16（gemma={gemma}）", rand=r, atol=1e-2, rtol=1e-2)
+
+
+@point("统计量在 fp32 里算（fp16 大数值不溢出）")
+def test_fp32_statistics():
+    m = impl(MODULE)
+    r = Rand()
+    x = r.randn(8, 256, scale=400.0, dtype=torch.float16)                        # x² > 65504
+    w = r.randn(256, scale=0.5, dtype=torch.float16)
+    out = m.add_rms_norm(x, None, w, 1e-6)
+    ref = impl("m01_rmsnorm").rms_norm(x, w, 1e-6)
+    if not torch.isfinite(out).all() or float(out.float().abs().max()) == 0.0:
+        raise AssertionError(f"fp16、|x| ≈ 400 时输出是 0 / inf / NaN；{r}\n  看起来像易错点：{M_STATS_DTYPE}")
+    assert_close(out, ref, what="fp16 大数值的 add_rms_norm", rand=r, atol=1e-2, rtol=1e-2)
+
+
+@point("卡片例子：slot 37、P = 16 落在块 2 行 5；[1, 3, −1, 1] + [1, −1, 3, −3] 归一化为 [1, 1, 1, −1]")
+def test_card_example():
+    m = impl(MODULE)
+    k = torch.arange(8, dtype=torch.float32).view(1, 2, 4)
+    bufs, (kc, vc) = _guarded_caches(4, 16, 2, 4)
+    m.store_kvcache(k, -k, kc, vc, torch.tensor([37]))
+    assert torch.equal(kc[2, 5], k[0]) and torch.equal(vc[2, 5], -k[0]), "slot 37 应写到 k_cache[2, 5]（37 = 2·16 + 5）"
+    assert int((kc != -100.0).sum()) == 8, "除了 k_cache[2, 5] 之外不应有别的位置被改写"
+    x, res = torch.tensor([[1.0, 3.0, -1.0, 1.0]]), torch.tensor([[1.0, -1.0, 3.0, -3.0]])
+    out, s = _call(m, x, res, torch.tensor([0.5, 1.0, 2.0, 1.0]), 0.0, False)
+    assert torch.equal(s, torch.tensor([[2.0, 2.0, 2.0, -2.0]])), f"x + residual 应为 [2, 2, 2, −2]，得到 {s.tolist()}"
+    assert torch.allclose(out, torch.tensor([[0.5, 1.0, 2.0, -1.0]])), f"w · n 应为 [0.5, 1, 2, −1]，得到 {out.tolist()}"
+    g, _ = _call(m, x, res, torch.tensor([0.5, 1.0, 2.0, 1.0]), 0.0, True)
+    assert torch.allclose(g, torch.tensor([[1.5, 2.0, 3.0, -2.0]])), f"(1+w) · n 应为 [1.5, 2, 3, −2]，得到 {g.tolist()}"
+
+
+@needs_cuda
+@pytest.mark.timeout(300)
+@point("原生 CUDA：8k token 的 bf16 store_kvcache 与 add_rms_norm")
+def test_native_cuda_bf16():
+    m = impl(MODULE)
+    r = Rand()
+    dev, bf16 = "cuda", torch.bfloat16
+    n, nkv, d, page = 8192, 8, 128, r.choice([16, 32])
+    qkv = r.randn(n, (16 + 2 * nkv) * d, dtype=bf16).to(dev)
+    _, k, v = qkv.split([16 * d, nkv * d, nkv * d], dim=-1)
+    k, v = k.view(n, nkv, d), v.view(n, nkv, d)
+    nb = n // page + 8
+    slots = torch.randperm(nb * page, generator=r.gen)[:n].to(dev)
+    slots[::97] = -1
+    bufs, (kc, vc) = _guarded_caches(nb, page, nkv, d, bf16, dev)
+    exp = _expected_caches(bufs, k, v, slots)
+    m.store_kvcache(k, v, kc, vc, slots.int())
+    torch.cuda.synchronize()
+    assert torch.equal(bufs[0], exp[0]) and torch.equal(bufs[1], exp[1]), f"CUDA store_kvcache 与参考不一致；{r}"
+    for hidden, gemma in ((4096, False), (5120, True), (128, False)):
+        x, res = r.randn(n, hidden, dtype=bf16).to(dev), r.randn(n, hidden, dtype=bf16).to(dev)
+        w = (r.randn(hidden, scale=0.2) + (0 if gemma else 1)).to(bf16).to(dev)
+        out, s = _call(m, x, res, w, 1e-6, gemma)
+        ref, ref_s = _m01_fused(x, res, w, 1e-6, gemma)
+        assert torch.equal(s, ref_s), "CUDA bf16 的 residual 和应与 torch 逐位相同"
+        # fp32 statistics summed in another order: at most 1 bf16 ulp on rare elements
+        hit = _ulp_match(out, ref)
+        assert hit >= 0.99, f"CUDA bf16 add_rms_norm（H={hidden}, gemma={gemma}）只有 {hit:.2%} 元素逐位一致；{r}"
+        assert_close(out, ref, what=f"CUDA bf16 add_rms_norm（H={hidden}）", rand=r, atol=0, rtol=2 ** -7)
