@@ -147,15 +147,18 @@ def _conv_state_kernel(x_ptr, stride_x, pool_ptr, stride_ps, stride_pc, stride_p
 # ---------------------------------------------------------------------------------------------- prefill rule
 
 @triton.jit
-def _invert_diag_block(scr, b: tl.constexpr):
-    """(I + L_bb)^-1 of the b-th 16x16 diagonal block of L [64, 64] in scr, by forward substitution."""
-    r = tl.arange(0, 16)
-    X = (r[:, None] == r[None, :]).to(tl.float32)
+def _invert_diag_blocks(scr):
+    """Overwrite the four 16x16 diagonal blocks L_bb of L [64, 64] in scr with (I + L_bb)^-1: forward
+    substitution, row i of all four blocks at once (X_i = e_i - sum_{j<i} L_ij X_j)."""
+    blk, r = tl.arange(0, 4)[:, None, None], tl.arange(0, 16)
+    X = (r[:, None] == r[None, :]).to(tl.float32)[None, :, :] + tl.zeros([4, 16, 16], dtype=tl.float32)
+    rows = tl.arange(0, 4)[:, None] * 16
     for i in range(1, 16):
-        a = tl.load(scr + (b * 16 + i) * 64 + b * 16 + r)              # L[i, :] of the block (zero for j >= i)
-        x = (r == i).to(tl.float32) - tl.sum(a[:, None] * X, 0)         # X_i = e_i - sum_j L_ij X_j
-        X = tl.where(r[:, None] == i, x[None, :], X)
-    return X
+        a = tl.load(scr + (rows + i) * 64 + rows + r[None, :])           # [4, 16]: row i of each block, 0 for j >= i
+        x = (r == i).to(tl.float32)[None, :] - tl.sum(a[:, :, None] * X, 1)
+        X = tl.where((r == i)[None, :, None], x[:, None, :], X)
+    tl.debug_barrier()
+    tl.store(scr + (blk * 16 + r[None, :, None]) * 64 + blk * 16 + r[None, None, :], X)
 
 
 @triton.jit
@@ -173,8 +176,9 @@ def _put(scr, X, i: tl.constexpr, j: tl.constexpr):
 @triton.jit
 def _solve_unit_lower(scr):
     """scr holds strictly lower L [64, 64] fp32; overwrite it with (I + L)^-1 (block forward substitution)."""
-    D0, D1 = _invert_diag_block(scr, 0), _invert_diag_block(scr, 1)
-    D2, D3 = _invert_diag_block(scr, 2), _invert_diag_block(scr, 3)
+    _invert_diag_blocks(scr)
+    tl.debug_barrier()
+    D0, D1, D2, D3 = _block(scr, 0, 0), _block(scr, 1, 1), _block(scr, 2, 2), _block(scr, 3, 3)
     A10, A20, A21 = _block(scr, 1, 0), _block(scr, 2, 0), _block(scr, 2, 1)
     A30, A31, A32 = _block(scr, 3, 0), _block(scr, 3, 1), _block(scr, 3, 2)
     # X_ij = -D_i sum_{j <= m < i} A_im X_mj, with X_jj = D_j
@@ -188,10 +192,6 @@ def _solve_unit_lower(scr):
     X30 = -tl.dot(D3, tl.dot(A30, D0, input_precision="ieee") + tl.dot(A31, X10, input_precision="ieee")
                   + tl.dot(A32, X20, input_precision="ieee"), input_precision="ieee")
     tl.debug_barrier()
-    _put(scr, D0, 0, 0)
-    _put(scr, D1, 1, 1)
-    _put(scr, D2, 2, 2)
-    _put(scr, D3, 3, 3)
     _put(scr, X10, 1, 0)
     _put(scr, X20, 2, 0)
     _put(scr, X21, 2, 1)
