@@ -190,7 +190,7 @@ def test_bf16_graphs_equal_eager():
             outs[eager] = [o.token_ids for o in llm.generate(batch, _greedy(64))]
         assert outs[True] == outs[False], (f"{family}：bf16 下 CUDA graph decode 与 eager decode 的 token 不同"
                                            "（形状相同，应该逐位相同）；看起来像易错点：replay 读到了旧的静态 buffer")
-        # first-step logits against HF in bf16
+        # prefill logits against HF: ours in bf16 may be as far from HF fp32 as HF's own bf16 run is (x2 + 2 %)
         hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)
         prompt = prompts[0]
         seq = e02.Sequence(prompt)
@@ -200,15 +200,16 @@ def test_bf16_graphs_equal_eager():
         with torch.inference_mode():
             hidden, last = llm.runner._run_prefill([seq])
             ours = llm.model.compute_logits(hidden).float()
-            out = hf_bf16(torch.tensor([prompt], device="cuda"))
-            theirs = (out.logits if hasattr(out, "logits") else out)[0].float()
+            ids = torch.tensor([prompt], device="cuda")
+            ref32, ref16 = ((o.logits if hasattr(o, "logits") else o)[0].float() for o in (hf(ids), hf_bf16(ids)))
         llm.runner.release(seq)
-        err = (ours - theirs).abs().max().item()
-        scale = theirs.abs().max().item()
-        assert err <= 0.05 * scale + 0.05, f"{family}：bf16 首步 logits 与 HF bf16 差 {err:.3g}（量级 {scale:.3g}），超过 5%"
+        err, hf_err = (ours - ref32).abs().max().item(), (ref16 - ref32).abs().max().item()
+        scale = ref32.abs().max().item()
+        assert err <= 2 * hf_err + 0.02 * scale, (f"{family}：bf16 的 prefill logits 离 HF fp32 {err:.3g}，而 HF 自己的 bf16 "
+                                                   f"只差 {hf_err:.3g}（允许 2 倍 + 2% 量级 {scale:.3g}）")
         agree = sum(a == b for o, rf in zip(outs[False][:len(refs)], refs) for a, b in zip(o, rf))
         print(f"{family}: bf16 vs HF fp32 greedy agreement {agree}/{sum(len(x) for x in refs)} tokens; "
-              f"max |Δlogit| vs HF bf16 {err:.3g}")
+              f"max |Δlogit| vs HF fp32: ours bf16 {err:.3g}, HF bf16 {hf_err:.3g}")
 
 
 @point("GPU 上 prefix cache 命中、chunked prefill、300+ 请求的小 KV 池压力测试与不受限运行逐 token 一致，block 与 GDN 槽位全部归还")
@@ -252,8 +253,8 @@ def test_engine_features_on_gpu():
 def test_bad_input_on_gpu():
     r = Rand()
     folder, prompts, refs, hf = _case("qwen3", r.seed)
-    llm = _llm(folder, dtype=torch.float32, max_model_len=64)
-    outs = llm.generate([prompts[0], [], list(range(1, 70)), [5, 96, 3], prompts[1]], _greedy())
+    llm = _llm(folder, dtype=torch.float32, max_model_len=128)
+    outs = llm.generate([prompts[0], [], [7] * 130, [5, 96, 3], prompts[1]], _greedy())
     _assert_same([outs[0], outs[4]], [refs[0], refs[1]], [prompts[0], prompts[1]], "坏请求旁边的正常请求", r, hf)
     for i, needle in ((1, "empty"), (2, "max_model_len"), (3, "vocab")):
         assert outs[i].error and needle in outs[i].error, f"坏请求 {i} 的错误应提到 {needle!r}：{outs[i].error!r}"

@@ -62,7 +62,9 @@ def run_engine(args, prompts, out_lens) -> dict:
                   max_model_len=args.max_model_len, block_size=args.block_size, enforce_eager=args.enforce_eager,
                   gpu_memory_utilization=0.9)
     startup = time.perf_counter() - t0
-    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8))          # warm-up
+    # warm-up: Triton compiles a kernel per specialisation on first use; give every prefill / decode path one
+    llm.generate([p[:n] for p, n in zip(prompts[:8], (1, 17, 100, 255, 512, 1000, 64, 33))],
+                 SamplingParams(max_tokens=4, ignore_eos=True))
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in out_lens]
     steps: list[tuple[float, int, bool]] = []       # (seconds, tokens sampled, decode step?)
     inner = llm.step
