@@ -22,7 +22,8 @@ MODULE = "g01_gpu_engine"
 NEW_TOKENS = 32
 TIE = 1e-3
 CUDA = torch.cuda.is_available()
-pytestmark = [pytest.mark.timeout(600), pytest.mark.skipif(not CUDA, reason="需要 GPU")]
+pytestmark = pytest.mark.timeout(600)
+needs_cuda = pytest.mark.skipif(not CUDA, reason="需要 GPU")
 CAPTURE = {
     "operation not permitted when stream is capturing": "在 CUDA graph 的 capture 区域里同步了 host（.item() / .tolist() / "
                                                         "按数据决定形状）：decode 的前向里不能有 host 同步",
@@ -120,6 +121,7 @@ def _llm(folder, **kwargs):
 
 
 @point("fp32 greedy 与 HF generate 逐 token 一致：五个家族，CUDA graphs 开与关")
+@needs_cuda
 def test_fp32_matches_hf_all_families():
     r = Rand()
     for family in hf_models.FAMILIES:
@@ -152,6 +154,7 @@ def _real_size(family: str, r: Rand):
 
 
 @point("真实尺寸（Qwen3-0.6B 与 Qwen3.5-35B-A3B 的宽度，少几层）fp32 greedy 与 HF 一致")
+@needs_cuda
 def test_real_size_few_layers():
     r = Rand()
     _fp32()
@@ -178,6 +181,7 @@ def test_real_size_few_layers():
 
 
 @point("bf16：CUDA-graph decode 与 eager decode 逐 token 相同；首步 logits 接近 HF bf16；打印与 HF 的一致率")
+@needs_cuda
 def test_bf16_graphs_equal_eager():
     r = Rand()
     e02 = impl("e02_block_manager")
@@ -213,6 +217,7 @@ def test_bf16_graphs_equal_eager():
 
 
 @point("GPU 上 prefix cache 命中、chunked prefill、300+ 请求的小 KV 池压力测试与不受限运行逐 token 一致，block 与 GDN 槽位全部归还")
+@needs_cuda
 def test_engine_features_on_gpu():
     r = Rand()
     e01 = impl("e01_sampling")
@@ -250,6 +255,7 @@ def test_engine_features_on_gpu():
 
 
 @point("GPU 上的坏输入：各自报错，其余请求照常完成")
+@needs_cuda
 def test_bad_input_on_gpu():
     r = Rand()
     folder, prompts, refs, hf = _case("qwen3", r.seed)
@@ -258,3 +264,20 @@ def test_bad_input_on_gpu():
     _assert_same([outs[0], outs[4]], [refs[0], refs[1]], [prompts[0], prompts[1]], "坏请求旁边的正常请求", r, hf)
     for i, needle in ((1, "empty"), (2, "max_model_len"), (3, "vocab")):
         assert outs[i].error and needle in outs[i].error, f"坏请求 {i} 的错误应提到 {needle!r}：{outs[i].error!r}"
+
+
+@point("卡片例子：桶的选择与补齐行")
+def test_card_example():
+    from types import SimpleNamespace
+    m, e02 = impl(MODULE), impl("e02_block_manager")
+    assert m.batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40], f"batch_buckets(40) = {m.batch_buckets(40)}"
+    x, y = e02.Sequence([5, 6, 7, 8, 9, 10]), e02.Sequence([11, 12, 13])
+    x.num_cached_tokens, x.block_table = 5, [7, 2]
+    y.num_cached_tokens, y.block_table = 2, [4]
+    fake = SimpleNamespace(block_size=4, max_blocks_per_seq=3, gdn_pool=None)
+    ids, pos, slots, lens, gdn, tables = (a.tolist() for a in m.GPUModelRunner._decode_inputs(fake, [x, y], 4))
+    assert (ids, pos, lens) == ([10, 13, 0, 0], [5, 2, 0, 0], [6, 3, 0, 0]), f"ids {ids} pos {pos} lens {lens}"
+    assert slots == [9, 18, -1, -1], (f"slots = {slots}，应为 [9, 18, -1, -1]"
+                                      + ("；看起来像易错点：padding 行的 slot 用了 0 而不是 -1" if slots[2:] == [0, 0] else ""))
+    assert gdn == [-1] * 4, f"gdn = {gdn}" + ("；看起来像易错点：padding 行的 GDN 槽位用了 0" if gdn[2:] == [0, 0] else "")
+    assert tables == [[7, 2, -1], [4, -1, -1], [-1, -1, -1], [-1, -1, -1]], f"tables = {tables}"

@@ -1,0 +1,381 @@
+"""G01 · The GPU engine: the model, KV cache and GDN state pool on the device, Triton backends, CUDA graphs.
+
+The CPU engine of Track E stays as it is; on CUDA the same LLM runs a different *backend*:
+
+    weights          built directly on the device in bf16 (fp32 / fp16 too), loaded or dummy-initialised there
+    KV cache         [num_blocks, P, nKV, D] per attention layer, num_blocks sized from free memory
+                     (gpu_memory_utilization, as vLLM / nano-vllm) unless num_kvcache_blocks is given
+    layers           norms -> k01 add_rms_norm, attention -> k02 TritonPagedAttention (store + prefill / split-K
+                     decode), MoE -> k03 fused_moe_forward, Gated DeltaNet -> k04 gdn_prefill / gdn_decode working
+                     in place on the state pool through each sequence's slot index
+    one step         the batch's int metadata staged in ONE pinned host buffer and copied with ONE H2D copy;
+                     no host sync inside the forward; sampling on the device; one D2H copy of the tokens
+    decode           CUDA graphs captured at start for batch-size buckets 1, 2, 4, 8, 16, 32, ... max_num_seqs:
+                     replay = copy this step's inputs into the graph's static buffers + graph.replay().
+                     A batch of b runs the smallest bucket >= b; the padded rows have slot -1 (their K/V and
+                     GDN state are written nowhere) and context length 0.
+    prefill / mixed  eager (their shapes change every step; the kernels are large, launch cost is small)
+
+A graph records the *addresses* of its inputs: every step must write into the same static tensors (a
+fresh tensor would be silently ignored: the graph keeps reading the stale buffer), and nothing inside
+the captured region may synchronise with the host (.item(), .tolist(), a data-dependent shape).
+
+Lesson: lessons/g01_gpu_engine.md (书 §G.1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from .e01_sampling import Sampler, SamplingParams, make_generator
+from .e02_block_manager import BlockManager, Sequence
+from .e03_scheduler import Scheduler, SchedulerConfig
+from .e04_model_runner import GDNStatePool, ModelRunner, PagedAttention, prepare_batch
+from .e05_engine import LLM as CPULLM
+from .e05_engine import EngineConfig
+from .k01_triton_basics import add_rms_norm
+from .k02_paged_attention import TritonPagedAttention
+from .k03_fused_moe import fused_moe_forward
+from .k04_gdn_kernels import gdn_decode, gdn_prefill
+from .m01_rmsnorm import GemmaRMSNorm, RMSNorm
+from .m03_sparse_moe import MoEWeights, SharedExpert
+from .m04_attention import AttentionContext
+from .m05_gated_deltanet import GatedDeltaNet
+from .m06_models import CausalLM, SparseMoeBlock, build_model, load_checkpoint, text_config
+
+
+# ----------------------------------------------------------------------------- the kernel backends
+class KernelNorm(nn.Module):
+    """m01's RMSNorm / GemmaRMSNorm protocol through k01's fused add + RMSNorm kernel (same weight)."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.weight, self.eps, self.gemma = norm.weight, norm.eps, isinstance(norm, GemmaRMSNorm)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return add_rms_norm(x, residual, self.weight, self.eps, gemma=self.gemma)
+
+
+class KernelMoE(nn.Module):
+    """m06's SparseMoeBlock through k03's fused MoE: m03's router, one grouped GEMM per projection."""
+
+    def __init__(self, block: SparseMoeBlock):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = self.block
+        gate_up, inter = b.experts.gate_up_proj, b.experts.down_proj.shape[-1]
+        shared = None
+        if b.shared_expert is not None:
+            s_gate, s_up = b.shared_expert.gate_up_proj.weight.chunk(2, dim=0)
+            shared = SharedExpert(gate_proj=s_gate, up_proj=s_up, down_proj=b.shared_expert.down_proj.weight,
+                                  gate=b.shared_expert_gate.weight)
+        w = MoEWeights(router=b.gate.weight, w_gate=gate_up[:, :inter], w_up=gate_up[:, inter:],
+                       w_down=b.experts.down_proj, top_k=b.top_k, norm_topk_prob=b.norm_topk_prob, shared=shared)
+        return fused_moe_forward(x, w)
+
+
+@dataclass
+class PoolState:
+    """What a Gated DeltaNet layer gets instead of gathered copies: the pool itself and the batch's slots."""
+    conv: torch.Tensor      # [S, C, K-1]      the layer's conv states, every slot
+    ssm: torch.Tensor       # [S, nv, dk, dv]  fp32 recurrent states, every slot
+    slots: torch.Tensor     # [B] int32        slot of each sequence of the batch, -1 = padding
+    decode: bool            # one token per sequence
+
+
+class KernelGDN(nn.Module):
+    """m05's GatedDeltaNet with the token mixing done by k04, in place on the state pool."""
+
+    def __init__(self, gdn: GatedDeltaNet):
+        super().__init__()
+        self.gdn = gdn
+
+    def forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor, state: PoolState) -> torch.Tensor:
+        g = self.gdn
+        mixed = g.in_proj_qkv(hidden_states)                                  # [N, C]
+        z = g.in_proj_z(hidden_states)                                        # [N, nv*dv]
+        a, b = g.in_proj_a(hidden_states), g.in_proj_b(hidden_states)         # [N, nv]
+        args = (mixed, a, b, g.conv1d.weight[:, 0], g.A_log, g.dt_bias)
+        dims = (g.num_k_heads, g.head_k_dim, g.head_v_dim)
+        if state.decode:
+            o = gdn_decode(*args, state.conv, state.ssm, state.slots, *dims)
+        else:
+            o = gdn_prefill(*args, cu_seqlens, state.conv, state.ssm, state.slots, *dims)
+        o = g.norm(o.reshape(-1, g.head_v_dim), z.reshape(-1, g.head_v_dim))
+        return g.out_proj(o.reshape(hidden_states.shape[0], g.value_dim))
+
+
+def use_kernels(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_splits: int) -> None:
+    """Swap every layer's torch path for its Triton backend, in place (parameters are shared, not copied)."""
+    raise NotImplementedError("g01: 请实现 use_kernels（见 lessons/g01_gpu_engine.md）")
+
+
+# ----------------------------------------------------------------------------- building on the device
+def build_on_device(model, dtype: torch.dtype, device: torch.device, seed: int = 0) -> tuple[CausalLM, object]:
+    """An m06 model built directly on `device` in `dtype`: from an HF folder, or a config with dummy weights."""
+    from transformers import AutoConfig, AutoTokenizer
+    from pathlib import Path
+    tokenizer, path = None, None
+    if isinstance(model, (str, Path)):
+        path, model = Path(model), AutoConfig.from_pretrained(model)
+        if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+            tokenizer = AutoTokenizer.from_pretrained(path)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            built = build_model(model)
+    finally:
+        torch.set_default_dtype(default)
+    if path is not None:
+        load_checkpoint(built, path)
+    else:
+        dummy_weights_(built, seed)
+    return built.eval(), tokenizer
+
+
+@torch.no_grad()
+def dummy_weights_(model: CausalLM, seed: int = 0, std: float = 0.02) -> None:
+    """m06's dummy-weight recipe, drawn on the model's own device (a 35B model never touches host memory)."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        noise = torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32)
+        if "norm" in name:
+            base = 0.0 if isinstance(model.get_submodule(name.rsplit(".", 1)[0]), GemmaRMSNorm) else 1.0
+            p.copy_(base + 0.1 * noise)
+        elif leaf == "A_log":
+            p.copy_((noise.abs() * 5 + 1).clamp(1, 16).log())
+        elif leaf == "dt_bias":
+            p.fill_(1.0)
+        else:
+            p.copy_(noise * std)
+        del noise
+
+
+# ----------------------------------------------------------------------------- sampling on the device
+class DeviceSampler(Sampler):
+    """e01's sampler (same contract, same tokens) without the vocabulary sort when no row filters by top-k or
+    top-p: for such rows warp_logits is exactly logits / temperature (+ min-p), and the sort of a [256, 151936]
+    batch is the most expensive thing the sampler does."""
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> torch.Tensor:
+        if any(p.top_k or p.top_p < 1 for p in params):
+            return super().__call__(logits, params, generators)
+        logits = logits.float()
+        greedy = [p.temperature == 0 for p in params]
+        tokens = logits.argmax(dim=-1)
+        if all(greedy):
+            return tokens
+        host = torch.tensor([[1.0 if g else p.temperature, p.min_p] for g, p in zip(greedy, params)],
+                            pin_memory=True).to(logits.device, non_blocking=True)
+        x = logits / host[:, 0:1]
+        if any(p.min_p > 0 for p in params):
+            probs = x.softmax(dim=-1)
+            x = x.masked_fill(probs < host[:, 1:2] * probs.amax(dim=-1, keepdim=True), float("-inf"))
+        probs = torch.softmax(x, dim=-1)
+        q = torch.empty_like(probs)
+        if any(g is None and not is_greedy for g, is_greedy in zip(generators, greedy)):
+            q.exponential_()
+        for row, (gen, is_greedy) in enumerate(zip(generators, greedy)):
+            if gen is not None and not is_greedy:
+                q[row] = torch.empty(probs.shape[-1], device=gen.device).exponential_(generator=gen)
+        sampled = (probs / q).argmax(dim=-1)
+        if not any(greedy):
+            return sampled
+        return torch.where(torch.tensor(greedy, device=logits.device), tokens, sampled)
+
+
+# ----------------------------------------------------------------------------- the runner
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes with a captured graph: 1, 2, 4, 8, then every 16 up to max_num_seqs (always included)."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16)) + [max_num_seqs]
+    return sorted(set(sizes))
+
+
+class GPUModelRunner(ModelRunner):
+    """e04's runner with a CUDA backend: device KV cache and state pool, Triton layers, CUDA-graph decode."""
+
+    def __init__(self, model: CausalLM, block_size: int, max_num_seqs: int, max_model_len: int,
+                 max_num_batched_tokens: int, num_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
+                 enforce_eager: bool = False):
+        self.model, self.block_size, self.max_num_seqs = model, block_size, max_num_seqs
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        attn_layers = [layer.self_attn for layer in model.model.layers if not layer.is_linear]
+        if num_blocks is None:
+            num_blocks = self._blocks_that_fit(attn_layers, max_num_batched_tokens, gpu_memory_utilization)
+        self.num_blocks = num_blocks
+        self.kv_caches = []
+        for attn in attn_layers:
+            shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
+            self.kv_caches.append((torch.zeros(shape, dtype=self.dtype, device=self.device),
+                                   torch.zeros(shape, dtype=self.dtype, device=self.device)))
+        with torch.device(self.device):
+            self.gdn_pool = GDNStatePool(model, max_num_seqs + 1, self.dtype) if model.linear_layer_ids else None
+        # the decode kernel's grid is fixed by its number of key partitions: enough for max_model_len
+        use_kernels(model, self.kv_caches, num_splits=max(1, -(-max_model_len // 512)))
+        self.generators: dict[int, torch.Generator | None] = {}
+        self.sampler = DeviceSampler()
+        self.last_was_decode = False
+        # one pinned staging buffer: [ids | positions | slots | context_lens | gdn_slots | block tables]
+        width = 5 + self.max_blocks_per_seq
+        self.host = torch.zeros(max(max_num_batched_tokens, max_num_seqs) * width + 4 * max_num_seqs + 8,
+                                dtype=torch.int64, pin_memory=True)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if not enforce_eager:
+            self.capture_cudagraphs()
+
+    def _blocks_that_fit(self, attn_layers, max_tokens: int, utilization: float) -> int:
+        """KV blocks for what is left of utilization * total memory after the weights and an activation reserve."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = total - free
+        cfg = self.model.config
+        inter = max(getattr(cfg, "intermediate_size", 0) or 0,
+                    (getattr(cfg, "moe_intermediate_size", 0) or 0) * (getattr(cfg, "num_experts_per_tok", 1) or 1))
+        # activations of the largest prefill step (a few [tokens, width] tensors alive at once) + the logits
+        reserve = max_tokens * (8 * cfg.hidden_size + 4 * inter) * 4 + 4 * self.max_num_seqs * cfg.vocab_size * 4
+        reserve += 2 << 30                                               # allocator slack, graph pool, kernels
+        per_block = sum(2 * self.block_size * a.num_kv_heads * a.head_dim for a in attn_layers) * self.dtype.itemsize
+        blocks = int((total * utilization - used - reserve) // max(per_block, 1))
+        if blocks < self.max_blocks_per_seq:
+            raise RuntimeError(f"only {blocks} KV blocks fit in gpu_memory_utilization={utilization}: "
+                               f"not even one sequence of max_model_len")
+        return blocks
+
+    # ------------------------------------------------------------------ staging: one H2D copy per step
+    def _stage(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """Copy int arrays into the pinned buffer, move it with one non-blocking copy, return device views."""
+        raise NotImplementedError("g01: 请实现 GPUModelRunner._stage（见 lessons/g01_gpu_engine.md）")
+
+    def _decode_inputs(self, seqs: list[Sequence], rows: int):
+        """Host arrays of a decode batch padded to `rows` (padding: slot -1, context 0, block -1)."""
+        raise NotImplementedError("g01: 请实现 GPUModelRunner._decode_inputs（见 lessons/g01_gpu_engine.md）")
+
+    def _gdn_slots(self, seqs: list[Sequence]) -> list[int]:
+        """Each sequence's pool slot; a sequence starting its prefill gets a fresh zeroed one."""
+        pool = self.gdn_pool
+        for s in seqs:
+            if s.seq_id not in pool.slot_of:
+                if s.num_cached_tokens:
+                    raise RuntimeError(f"sequence {s.seq_id} resumes at token {s.num_cached_tokens} without a "
+                                       "GDN state (prefix caching must be off for hybrid models)")
+                pool.allocate(s)
+        return [pool.slot_of[s.seq_id] for s in seqs]
+
+    def _states(self, slots: torch.Tensor, decode: bool) -> dict[int, PoolState] | None:
+        if self.gdn_pool is None:
+            return None
+        p = self.gdn_pool
+        return {i: PoolState(p.conv[i], p.ssm[i], slots, decode) for i in p.conv}
+
+    # ------------------------------------------------------------------ CUDA graphs
+    @torch.inference_mode()
+    def capture_cudagraphs(self) -> None:
+        """One graph per batch bucket, largest first so the smaller ones reuse its memory pool."""
+        raise NotImplementedError("g01: 请实现 GPUModelRunner.capture_cudagraphs（见 lessons/g01_gpu_engine.md）")
+
+    def _static_ctx(self, bs: int):
+        s = self.static
+        ctx = AttentionContext(cu_seqlens_q=s["cu"][:bs + 1], cu_seqlens_k=s["cu"][:bs + 1], max_seqlen_q=1,
+                               max_seqlen_k=self.max_blocks_per_seq * self.block_size,
+                               slot_mapping=s["slots"][:bs], block_tables=s["tables"][:bs],
+                               context_lens=s["lens"][:bs], is_prefill=False)
+        return ctx, self._states(s["gdn"][:bs], decode=True)
+
+    # ------------------------------------------------------------------ one step
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence]) -> list[int]:
+        decode = self.last_was_decode = all(s.num_scheduled_tokens == 1 for s in seqs)
+        if decode:
+            hidden = self._run_decode(seqs)
+            last_rows = None
+        else:
+            hidden, last_rows = self._run_prefill(seqs)
+        done = [i for i, s in enumerate(seqs) if s.num_cached_tokens + s.num_scheduled_tokens == s.num_tokens]
+        tokens = [-1] * len(seqs)
+        if not done:
+            return tokens
+        rows = hidden[done] if last_rows is None else hidden[last_rows[done]]
+        logits = self.model.compute_logits(rows)                                  # [B_done, V]
+        for i in done:
+            if seqs[i].seq_id not in self.generators:
+                self.generators[seqs[i].seq_id] = make_generator(seqs[i].sampling_params.seed, self.device)
+        sampled = self.sampler(logits, [seqs[i].sampling_params for i in done],
+                               [self.generators[seqs[i].seq_id] for i in done])
+        for i, token in zip(done, sampled.tolist()):                              # the step's one D2H copy
+            tokens[i] = token
+        return tokens
+
+    def _run_decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        raise NotImplementedError("g01: 请实现 GPUModelRunner._run_decode（见 lessons/g01_gpu_engine.md）")
+
+    def _run_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        input_ids, positions, ctx = prepare_batch(seqs, self.block_size)          # host tensors
+        gdn = np.asarray(self._gdn_slots(seqs) if self.gdn_pool is not None else [-1] * len(seqs), np.int64)
+        arrays = [input_ids.numpy(), positions.numpy(), ctx.cu_seqlens_q.numpy(), ctx.cu_seqlens_k.numpy(),
+                  ctx.slot_mapping.numpy(), ctx.block_tables.numpy(), ctx.context_lens.numpy(), gdn]
+        ids, pos, cu_q, cu_k, slots, tables, lens, gdn_dev = self._stage(arrays)
+        dctx = AttentionContext(cu_seqlens_q=cu_q.int(), cu_seqlens_k=cu_k.int(), max_seqlen_q=ctx.max_seqlen_q,
+                                max_seqlen_k=ctx.max_seqlen_k, slot_mapping=slots,
+                                block_tables=tables.view(ctx.block_tables.shape).int(), context_lens=lens.int(),
+                                is_prefill=True)
+        hidden = self.model(ids, pos, dctx, self._states(gdn_dev.int(), decode=False))
+        return hidden, (cu_q[1:] - 1)
+
+
+# ----------------------------------------------------------------------------- the engine
+class LLM(CPULLM):
+    """e05's engine with a device: `LLM(model, device="cuda")` runs GPUModelRunner, `device="cpu"` e04's runner.
+
+    Extra settings: device (default CUDA when available), gpu_memory_utilization (KV cache from free memory
+    when num_kvcache_blocks is None), enforce_eager (no CUDA graphs). dtype defaults to bf16 on CUDA.
+    """
+
+    def __init__(self, model, tokenizer=None, device: str | torch.device | None = None,
+                 gpu_memory_utilization: float = 0.9, enforce_eager: bool = False, **kwargs):
+        device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type != "cuda":
+            super().__init__(model, tokenizer, **kwargs)
+            return
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+        num_blocks = kwargs.pop("num_kvcache_blocks", None)
+        kwargs.setdefault("dtype", torch.bfloat16)
+        self.config = config = EngineConfig(num_kvcache_blocks=num_blocks or 1, **kwargs)
+        if isinstance(model, nn.Module):
+            self.model, self.tokenizer = model.to(device=device, dtype=config.dtype).eval(), tokenizer
+        else:
+            self.model, loaded_tokenizer = build_on_device(model, config.dtype, device, config.seed)
+            self.tokenizer = tokenizer or loaded_tokenizer
+        hf_config = text_config(self.model.config)
+        self.vocab_size = hf_config.vocab_size
+        eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer else getattr(hf_config, "eos_token_id", None)
+        eos = eos[0] if isinstance(eos, (list, tuple)) else eos
+        hybrid = bool(self.model.linear_layer_ids)
+        prefix = (not hybrid) if config.enable_prefix_caching is None else config.enable_prefix_caching
+        if hybrid and prefix:
+            raise ValueError("prefix caching needs per-block state; Gated DeltaNet layers keep one recurrent "
+                             "state per sequence, so it must be off for hybrid models")
+        self.runner = GPUModelRunner(self.model, config.block_size, config.max_num_seqs, config.max_model_len,
+                                     config.max_num_batched_tokens, num_blocks, gpu_memory_utilization, enforce_eager)
+        config.num_kvcache_blocks = self.runner.num_blocks
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, enable_prefix_caching=prefix)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len, eos_token_id=-1 if eos is None else int(eos),
+            enable_chunked_prefill=config.enable_chunked_prefill), self.block_manager)
+        self.requests: dict[int, Sequence] = {}
+
+
+__all__ = ["LLM", "GPUModelRunner", "PoolState", "KernelNorm", "KernelMoE", "KernelGDN", "use_kernels",
+           "build_on_device", "dummy_weights_", "batch_buckets", "PagedAttention"]
