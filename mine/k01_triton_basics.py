@@ -36,6 +36,7 @@ def _store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                           stride_kt, stride_kh, stride_vt, stride_vh,
                           stride_cb, stride_cp, stride_ch, page_size, num_kv_heads, head_dim,
                           BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program t copies token t's [nKV, D] K and V rows to cache slot slot_mapping[t] (nothing if it is -1)."""
     raise NotImplementedError("k01: 请实现 _store_kvcache_kernel（见 lessons/k01_triton_basics.md）")
 
 
@@ -51,6 +52,7 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
                          num_rows, hidden, stride_x, stride_r, stride_o, stride_ro, eps,
                          HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr,
                          ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program i normalises rows i*ROWS .. i*ROWS + ROWS - 1 of the [R, H] input (a [ROWS, BLOCK_H] tile)."""
     raise NotImplementedError("k01: 请实现 _add_rms_norm_kernel（见 lessons/k01_triton_basics.md）")
 
 

@@ -61,6 +61,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                     stride_bt, qk_scale, D, GROUP: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (tile, b, h): query rows tile*BLOCK_M .. of sequence b, head h, against its causal keys."""
     raise NotImplementedError("k02: 请实现 _prefill_kernel（见 lessons/k02_paged_attention.md）")
 
 
@@ -110,6 +111,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, o_part_ptr, lse_
                          qk_scale, D, GROUP, NUM_SPLITS: tl.constexpr, PAGE: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                          PRECISION: tl.constexpr):
+    """Program (b, g, s): the G query heads of kv head g over partition s of sequence b's keys."""
     raise NotImplementedError("k02: 请实现 _decode_split_kernel（见 lessons/k02_paged_attention.md）")
 
 
@@ -117,6 +119,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, o_part_ptr, lse_
 def _decode_reduce_kernel(o_part_ptr, lse_part_ptr, lens_ptr, o_ptr, stride_ob, stride_oh, D,
                           NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
                           BLOCK_D: tl.constexpr):
+    """Program (b, h): combine the partial (o_s, lse_s) of the splits that ran into o[b, h]."""
     raise NotImplementedError("k02: 请实现 _decode_reduce_kernel（见 lessons/k02_paged_attention.md）")
 
 

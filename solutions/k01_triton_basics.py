@@ -36,6 +36,7 @@ def _store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                           stride_kt, stride_kh, stride_vt, stride_vh,
                           stride_cb, stride_cp, stride_ch, page_size, num_kv_heads, head_dim,
                           BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program t copies token t's [nKV, D] K and V rows to cache slot slot_mapping[t] (nothing if it is -1)."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:                                         # padded row of a CUDA-graph batch
@@ -75,6 +76,7 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
                          num_rows, hidden, stride_x, stride_r, stride_o, stride_ro, eps,
                          HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr,
                          ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program i normalises rows i*ROWS .. i*ROWS + ROWS - 1 of the [R, H] input (a [ROWS, BLOCK_H] tile)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]        # [ROWS, 1]
     cols = tl.arange(0, BLOCK_H)[None, :]                                # [1, BLOCK_H]
     mask = (rows < num_rows) & (cols < hidden)

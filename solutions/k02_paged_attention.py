@@ -79,6 +79,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                     stride_bt, qk_scale, D, GROUP: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (tile, b, h): query rows tile*BLOCK_M .. of sequence b, head h, against its causal keys."""
     tile, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(cu_q_ptr + b)
     Lq = tl.load(cu_q_ptr + b + 1) - q_start
@@ -183,6 +184,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, o_part_ptr, lse_
                          qk_scale, D, GROUP, NUM_SPLITS: tl.constexpr, PAGE: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                          PRECISION: tl.constexpr):
+    """Program (b, g, s): the G query heads of kv head g over partition s of sequence b's keys."""
     b, g, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     Lk = tl.load(lens_ptr + b)
     part = tl.cdiv(tl.cdiv(Lk, NUM_SPLITS), BLOCK_N) * BLOCK_N      # keys per split, a whole number of tiles
@@ -228,6 +230,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, o_part_ptr, lse_
 def _decode_reduce_kernel(o_part_ptr, lse_part_ptr, lens_ptr, o_ptr, stride_ob, stride_oh, D,
                           NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
                           BLOCK_D: tl.constexpr):
+    """Program (b, h): combine the partial (o_s, lse_s) of the splits that ran into o[b, h]."""
     b, h = tl.program_id(0), tl.program_id(1)
     Lk = tl.load(lens_ptr + b)
     part = tl.cdiv(tl.cdiv(Lk, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -271,7 +274,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         PRECISION=_precision(q), num_warps=4, num_stages=2)
     _decode_reduce_kernel[(num_seqs, num_heads)](
         o_part, lse_part, context_lens, o, o.stride(0), o.stride(1), head_dim,
-        NUM_SPLITS=num_splits, BLOCK_N=block_n, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+        NUM_SPLITS=num_splits, BLOCK_N=block_n, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=block_d,
         num_warps=4)
     return o
 

@@ -67,6 +67,14 @@ def test_gpu_commands_need_a_gpu(command):
     assert out.returncode == 2 and "需要 NVIDIA GPU" in out.stdout, out.stdout + out.stderr
 
 
+def test_kernel_bench_without_cuda_needs_a_gpu():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: ./check.sh bench k01 would run the benchmark")
+    out = cli("bench", "k01")
+    assert out.returncode == 1 and "需要 GPU" in out.stdout, out.stdout + out.stderr
+
+
 def test_run_generates_offline_and_names_the_files(state_dir):
     out = cli("run", "--prompt", "你好", "--max-tokens", "5", env_extra=state_dir)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -38,3 +38,13 @@ def test_infinite_loop_times_out_and_the_grader_goes_on(tmp_path):
     grade = _grade_source(tmp_path, source, timeout=1)
     statuses = {r["status"] for r in grade.results}
     assert "timeout" in statuses and len(grade.results) == 10, grade.results
+
+
+def test_a_check_skipped_for_want_of_a_gpu_neither_fails_nor_passes():
+    from course.grade import Grade
+    row = lambda status: {"status": status}  # noqa: E731
+    assert Grade(M03, [row("passed"), row("skipped")]).passed
+    assert not Grade(M03, [row("skipped")]).passed                     # nothing actually passed
+    assert not Grade(M03, [row("passed"), row("failed"), row("skipped")]).passed
+    assert Grade(M03, [row("todo"), row("skipped")]).all_todo
+    assert not Grade(M03, [row("skipped")]).all_todo
