@@ -240,7 +240,7 @@ def test_state_stays_fp32():
     _same(ssm_pool, before, what=f"gdn_prefill（bf16，β=0、g=0，长度 {lengths}）之后的递推状态", mistake=STATE_BF16, rand=r)
 
     # beta = 0 with real decays: the state only decays, S_T = exp(sum g) * S_0, in fp32
-    H, T = s["nv"], lengths[1]
+    H, T = (s["nv"] if GPU else 1), lengths[1]
     q = F.normalize(r.randn(1, T, H, s["dk"]), dim=-1).to(DEV, torch.bfloat16)
     v = r.randn(1, T, H, s["dv"]).to(DEV, torch.bfloat16)
     g = (-F.softplus(r.randn(1, T, H)) * 0.01).to(DEV)
@@ -409,7 +409,7 @@ def test_prefill_matches_hf_layer():
 def test_prefill_then_decode():
     m = impl(MODULE)
     r = Rand()
-    s = _layer_sizes(r)
+    s = _layer_sizes(r) if GPU else dict(nk=1, nv=2, dk=8, dv=8, K=r.int(2, 4))
     lengths = [r.int(4, 9), r.int(66, 72)] if not GPU else [r.int(4, 9), r.int(3000, 5000), r.int(66, 200)]
     inp = _layer_inputs(r, sum(lengths), s, torch.float32)
     num_slots = len(lengths) + 1
@@ -468,7 +468,7 @@ def test_card_worked_example():
     assert_close(o[0, :, 0].cpu(), ref_o, what="卡片例子拆成两条序列（cu_seqlens=[0,2,3]，第二条从 S_2 出发）的输出",
                  atol=1e-4, rtol=0)
     assert_close(s[:, 0].cpu(), torch.stack([s2, ref_s]), what="卡片例子两条序列的最终状态 [S_2, S_3]", atol=1e-4, rtol=0,
-                 looks_like=[(torch.stack([s2, torch.tensor([[2.2104, -0.0744], [1.1840, -0.8320]])]), INIT_IGNORED)])
+                 looks_like=[(torch.stack([s2, torch.tensor([[1.5, 0.0], [0.0, 0.0]])]), INIT_IGNORED)])
 
     # decode through the pool: B=2, slots [2, -1]; 1 head, dk=dv=2, K=2, conv weight [0, 1] (window's newest only)
     mixed = torch.tensor([[3.0, 1.0, 1.0, 0.0, 1.0, -1.0], [9.0, 9.0, 9.0, 9.0, 9.0, 9.0]])

@@ -246,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
         return reset(args.exercise)
     if command == "all":
         return grade_all(args.solutions)
+    if command == "bench" and args.exercise == "k04":
+        from .bench_k04 import bench_k04
+        return bench_k04(args)
     if command in ("gpu", "bench"):
         return not_yet(command)
     return grade_one(command, args.solutions)
