@@ -87,9 +87,9 @@ def _layer_inputs(r: Rand, n: int, s: dict, dtype: torch.dtype, scale: float = 1
                 A_log=r.randn(s["nv"], scale=0.5).to(DEV, dtype), dt_bias=r.randn(s["nv"], scale=0.5).to(DEV, dtype))
 
 
-def _pools(r: Rand, slots: int, s: dict, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _pools(r: Rand, slots: int, s: dict, dtype: torch.dtype, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     C = 2 * s["nk"] * s["dk"] + s["nv"] * s["dv"]
-    return (r.randn(slots, C, s["K"] - 1).to(DEV, dtype), r.randn(slots, s["nv"], s["dk"], s["dv"], scale=0.5).to(DEV))
+    return (r.randn(slots, C, s["K"] - 1, scale=scale).to(DEV, dtype), r.randn(slots, s["nv"], s["dk"], s["dv"], scale=0.5).to(DEV))
 
 
 def _qkv(m5, x: torch.Tensor, s: dict, *, eps_outside=False, no_scale=False, tile=False):
@@ -159,7 +159,7 @@ def test_decode_matches_m05():
         batch = r.choice([1, 5, 64, 256]) if GPU else r.int(2, 4)
         num_slots = batch + 3
         inp = _layer_inputs(r, batch, s, dtype, scale)
-        conv_pool, ssm_pool = _pools(r, num_slots, s, dtype)
+        conv_pool, ssm_pool = _pools(r, num_slots, s, dtype, scale)          # tiny q/k show where eps goes
         slots = torch.randperm(num_slots, generator=r.gen)[:batch].to(DEV, torch.int32)
         before = conv_pool.clone(), ssm_pool.clone()
         o = _call(m.gdn_decode, inp, conv_pool, ssm_pool, slots, s=s)
