@@ -22,10 +22,24 @@ def hint(exercise: Exercise, level: int) -> str:
     raise KeyError(f"{exercise.card.name} 没有 L{level} 提示")
 
 
-def for_terminal(exercise: Exercise) -> str:
-    """The card with <details>/<summary> turned into plain markdown headings."""
-    body = re.sub(r"<summary>(.*?)</summary>", lambda m: f"\n#### {m.group(1).strip()}\n", text(exercise), flags=re.S)
-    return re.sub(r"</?details>", "", body)
+def _level(summary: str) -> int | None:
+    m = re.match(r"L(\d)", re.sub(r"<[^>]+>", "", summary).strip())
+    return int(m.group(1)) if m else None
+
+
+def for_terminal(exercise: Exercise, level: int = 0) -> str:
+    """The card as plain markdown: hint blocks L1..L<level> opened, the deeper ones folded into one line
+    that says how to open them (`./check.sh hint <id> --level N`); other <details> blocks opened."""
+
+    def render(m: re.Match) -> str:
+        summary, body = m.group(1).strip(), m.group(2)
+        n = _level(summary)
+        if n is not None and n > level:
+            return (f"\n#### ▸ {summary}（已折叠）\n\n`./check.sh hint {exercise.id} --level {n}` 只看这一级，"
+                    f"`./check.sh show {exercise.id} --level {n}` 展开到这一级。\n")
+        return f"\n#### {summary}\n{body}"
+
+    return _DETAILS.sub(render, text(exercise))
 
 
 def missing_sections(exercise: Exercise) -> list[str]:
