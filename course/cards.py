@@ -7,6 +7,11 @@ import re
 from .registry import Exercise
 
 _DETAILS = re.compile(r"<details>\s*<summary>(.*?)</summary>(.*?)</details>", re.S)
+# the last bullet of every card's L2 hint: the checker's selection in the learner's own Python (course/notebook.py)
+SELF_TEST = ("- 在检查器之外运行（notebook 或脚本，在仓库根目录启动 Python，通常是 `.venv/bin/python`）："
+             "`from course import use; impl = use(\"{id}\")` 加载你的 `mine/{module}.py`，其余练习全用参考实现"
+             "（与 `./check.sh {id}` 的选择相同），前面没做完的练习就不会抛 NotImplementedError；"
+             "`use(mine=[\"m01\", \"m05\"])` 让几个练习都用你的文件；改了文件后再运行这一行即可重新加载。")
 CARD_SECTIONS = ("题面速览", "直觉与类比", "shape trace", "易错点", "逐步图", "三级提示", "面试官追问")
 
 
@@ -40,6 +45,10 @@ def for_terminal(exercise: Exercise, level: int = 0) -> str:
         return f"\n#### {summary}\n{body}"
 
     return _DETAILS.sub(render, text(exercise))
+
+
+def self_test_line(exercise: Exercise) -> str:
+    return SELF_TEST.format(id=exercise.id, module=exercise.module)
 
 
 def missing_sections(exercise: Exercise) -> list[str]:
