@@ -101,9 +101,14 @@ class _no_interrupts:
 
 def run_checks(exercise: Exercise, selection: dict[str, str], extra_args: tuple[str, ...] = (),
                env: dict[str, str] | None = None, timeout_s: float | None = None,
-               on_event: Listener | None = None) -> Grade:
+               on_event: Listener | None = None, wall_s: float | None = None) -> Grade:
+    """Grade `exercise` under `selection`; `on_event` hears the plan and each result as it arrives.
+
+    timeout_s: per check (CHECK_TIMEOUT_S); wall_s: once a check timed out, nothing runs past this many
+    seconds from the start (WALL_AFTER_TIMEOUT_S, or the limit + 25 s when that is longer)."""
     start, started_wall = time.monotonic(), time.time()
     limit = timeout_s or CHECK_TIMEOUT_S
+    wall = wall_s if wall_s is not None else max(WALL_AFTER_TIMEOUT_S, limit + 25)
     grade = Grade(exercise, limit=limit)
     notify = on_event or (lambda kind, data: None)
     with tempfile.TemporaryDirectory(prefix="course-grade-") as tmp:
@@ -113,7 +118,7 @@ def run_checks(exercise: Exercise, selection: dict[str, str], extra_args: tuple[
             select.ENV: select.encode(selection),
             "COURSE_EVENTS": str(events.path),
             "COURSE_CHECK_TIMEOUT": str(limit),
-            "COURSE_DEADLINE": str(started_wall + max(WALL_AFTER_TIMEOUT_S, limit + 25)),
+            "COURSE_DEADLINE": str(started_wall + wall),
             "PYTHONDONTWRITEBYTECODE": "1",
             "TRANSFORMERS_VERBOSITY": "error",
             "TOKENIZERS_PARALLELISM": "false",
