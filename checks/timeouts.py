@@ -21,7 +21,7 @@ import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SLOW = "\n  只是慢、不是死循环？用 COURSE_CHECK_TIMEOUT=60 ./check.sh … 放宽每个检查的时限"
+SLOW = "\n  只是慢、不是死循环？用 COURSE_CHECK_TIMEOUT=60 ./check.sh {id} 放宽每个检查的时限"
 PROBE_S = 3.0          # the first stack sample is taken this long before the limit (at most 20 % of it)
 
 
@@ -49,10 +49,10 @@ def _short(path: str) -> str:
 
 
 def _describe(frame: types.FrameType) -> tuple[str, str]:
-    """('route()', 'mine/m03_sparse_moe.py:57') for a frame."""
+    """('route()', 'mine/m03_sparse_moe.py:57') for a frame; a module's top level has no function name."""
     code = frame.f_code
-    name = getattr(code, "co_qualname", code.co_name)
-    return f"{name}()", f"{_short(code.co_filename)}:{frame.f_lineno}"
+    name = "模块顶层代码" if code.co_name == "<module>" else f"{getattr(code, 'co_qualname', code.co_name)}()"
+    return name, f"{_short(code.co_filename)}:{frame.f_lineno}"
 
 
 class Watchdog:
@@ -62,6 +62,8 @@ class Watchdog:
         self.limit = limit
         self.deadline = deadline               # time.time() after which nothing runs, once a check timed out
         self.graded = graded_modules           # "impl.m03_sparse_moe", ...: the learner's files
+        ids = sorted(m.split(".", 1)[1].split("_", 1)[0] for m in graded_modules)
+        self.slow = SLOW.format(id=ids[0] if ids else "<练习编号>")
         self.timed_out = False
         self.hung: list[str] = []              # "route()（mine/...:57）" of every disabled function
         self._point = ""
@@ -127,10 +129,10 @@ class Watchdog:
             name, where = _describe(stuck)
             self._disable(stuck.f_code, name, where)
             raise CheckTimeout(f"超时：这个检查超过 {seconds} 秒没有结束，{name} 一直没有返回（死循环？"
-                               f"或逐 token 的 Python 循环太慢）{SLOW}", where)
+                               f"或逐 token 的 Python 循环太慢）{self.slow}", where)
         inner = now[0] if now else None
         where = _describe(inner)[1] if inner is not None else ""
-        raise CheckTimeout(f"超时：这个检查超过 {seconds} 秒没有结束（死循环？或逐 token 的 Python 循环太慢）{SLOW}",
+        raise CheckTimeout(f"超时：这个检查超过 {seconds} 秒没有结束（死循环？或逐 token 的 Python 循环太慢）{self.slow}",
                            where)
 
     def _disable(self, code: types.CodeType, name: str, where: str) -> None:

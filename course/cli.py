@@ -21,6 +21,7 @@ import time
 
 from rich.console import Console
 from rich.markdown import Markdown
+from rich.markup import escape
 from rich.table import Table
 
 from . import cards, registry, state
@@ -100,7 +101,7 @@ def _progress(kind: str, data: dict) -> None:
     if kind == "plan":
         say(f"[dim]{len(data['checks'])} 个检查，每个检查最多 {data['limit']:g} 秒（Ctrl-C 中止）[/]")
     elif kind == "result":
-        say(f"  {RESULT_LABEL.get(data['status'], data['status'])} {data['point']}")
+        say(f"  {RESULT_LABEL.get(data['status'], data['status'])} {escape(data['point'])}")
 
 
 def _print_summary(grade: Grade) -> None:
@@ -111,7 +112,7 @@ def _print_summary(grade: Grade) -> None:
     failing = [r for r in grade.results if r["status"] in ("failed", "error", "timeout")]
     if failing:
         r = failing[0]
-        say(f"\n[bold red]第一个失败的检查：{r['point']}[/]  [dim]({r['name']})[/]")
+        say(f"\n[bold red]第一个失败的检查：{escape(r['point'])}[/]  [dim]({escape(r['name'])})[/]")
         say(r["message"], markup=False)
         if r.get("where"):
             say(f"  位置：{r['where']}", markup=False)
