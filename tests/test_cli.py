@@ -91,6 +91,11 @@ def test_unexpected_arguments_are_errors(args, fragment):
     assert fragment in out.stdout and "用法：./check.sh" in out.stdout, out.stdout
 
 
+def test_run_rejects_unknown_arguments():
+    out = cli("run", "--bogus")
+    assert out.returncode == 2 and "不认识的参数 --bogus" in out.stderr, out.stderr
+
+
 def test_gpu_commands_say_not_yet():
     out = cli("bench")
     assert out.returncode == 2 and "尚未发布" in out.stdout
