@@ -1,8 +1,14 @@
-"""pytest glue for the exercise checks: installs the `impl` selection and records one result per check.
+"""pytest glue for the exercise checks: installs the `impl` selection, bounds each check in time and
+streams one result per check to the grader.
 
-The grader (course/grade.py) runs a check file in a subprocess with COURSE_REPORT pointing at a JSON
-file; every check's outcome is written there, classified the way the learner reads it:
-passed / todo (未实现: the stub raised NotImplementedError) / failed / error / timeout / skipped.
+The grader (course/grade.py) runs a check file in a subprocess with COURSE_EVENTS pointing at a file;
+one JSON line is appended per event, as it happens, so the grader can show progress:
+  {"event": "plan", "checks": [{"nodeid", "point"}, ...], "limit": 30}     after collection
+  {"event": "start", "nodeid", "point", "limit"}                              a check begins
+  {"event": "result", "nodeid", "name", "point", "status", "message", "where"}
+Statuses, the way the learner reads them: passed / todo (未实现: the stub raised NotImplementedError) /
+failed / error / timeout / skipped / notrun (未运行: the time left after a timeout ran out).
+COURSE_CHECK_TIMEOUT and COURSE_DEADLINE set the limits (checks/timeouts.py).
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from checks.timeouts import CheckTimeout, HungEarlier, Watchdog  # noqa: E402
 from course import select  # noqa: E402
+from course.grade import CHECK_TIMEOUT_S  # noqa: E402
 
 select.install()
 
@@ -33,11 +41,72 @@ def _triton_interpreter_without_cuda() -> None:
 
 _triton_interpreter_without_cuda()
 
-_results: list[dict] = []
+
+NOT_RUN = "未运行：前面的检查超时，这次运行的时间已经用完；先修好超时的函数再运行"
+_watchdog: Watchdog | None = None
+
+
+def _emit(event: str, **data) -> None:
+    path = os.environ.get("COURSE_EVENTS")
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"event": event, **data}, ensure_ascii=False) + "\n")
+
+
+def _title(item) -> str:
+    marker = item.get_closest_marker("point")
+    return marker.args[0] if marker else (item.function.__doc__ or item.name).strip().splitlines()[0]
 
 
 def pytest_configure(config):
+    global _watchdog
     config.addinivalue_line("markers", "point(title): the 验收要点 this check grades")
+    selection = select.current()
+    graded = {f"{select.PACKAGE}.{m}" for m, choice in selection.items() if m != "default" and choice != "solutions"}
+    deadline = os.environ.get("COURSE_DEADLINE")
+    _watchdog = Watchdog(float(os.environ.get("COURSE_CHECK_TIMEOUT", CHECK_TIMEOUT_S)),
+                         float(deadline) if deadline else None, graded)
+
+
+def pytest_collection_finish(session):
+    _emit("plan", checks=[dict(nodeid=i.nodeid, point=_title(i)) for i in session.items], limit=_watchdog.limit)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    limit = _watchdog.arm(_title(item))
+    _emit("start", nodeid=item.nodeid, point=_title(item), limit=limit)
+    try:
+        yield
+    finally:
+        _watchdog.disarm()
+
+
+def _phase():
+    """The timer interrupts only inside a phase (setup / call / teardown), never pytest's own bookkeeping."""
+    _watchdog.running(True)
+    try:
+        yield
+    finally:
+        _watchdog.running(False)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    if _watchdog.out_of_time():
+        item.course_notrun = True
+        pytest.skip(NOT_RUN)
+    yield from _phase()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    yield from _phase()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield from _phase()
 
 
 def _learner_location(excinfo) -> str:
@@ -63,10 +132,12 @@ def _short(path: str) -> str:
 def _classify(call) -> tuple[str, str]:
     excinfo = call.excinfo
     exc = excinfo.value
+    if isinstance(exc, (CheckTimeout, HungEarlier)):
+        return "timeout", exc.message
     if isinstance(exc, NotImplementedError):
         return "todo", str(exc)
     text = str(exc)
-    if "Timeout" in text and type(exc).__name__ == "Failed":
+    if "Timeout" in text and type(exc).__name__ == "Failed":            # pytest-timeout, when run by hand
         return "timeout", "超时：这个检查运行超过时限（死循环？或逐 token 的 Python 循环太慢）"
     if isinstance(exc, AssertionError):
         return "failed", text.split("\nassert ")[0].strip()
@@ -78,20 +149,18 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     if report.when == "call" or (report.when == "setup" and not report.passed):
-        marker = item.get_closest_marker("point")
-        title = marker.args[0] if marker else (item.function.__doc__ or item.name).strip().splitlines()[0]
         if report.passed:
             status, message, where = "passed", "", ""
         elif report.skipped:
-            status, message, where = "skipped", str(report.longrepr[-1]) if report.longrepr else "", ""
+            notrun = getattr(item, "course_notrun", False)
+            status = "notrun" if notrun else "skipped"
+            message = NOT_RUN if notrun else (str(report.longrepr[-1]) if report.longrepr else "")
+            where = ""
         else:
             status, message = _classify(call)
-            where = _learner_location(call.excinfo)
-        _results.append(dict(nodeid=item.nodeid, name=item.name, point=title, status=status,
-                             message=message, where=where))
-
-
-def pytest_sessionfinish(session, exitstatus):
-    path = os.environ.get("COURSE_REPORT")
-    if path:
-        Path(path).write_text(json.dumps(_results, ensure_ascii=False, indent=1), encoding="utf-8")
+            exc = call.excinfo.value
+            timed_out = isinstance(exc, (CheckTimeout, HungEarlier)) and exc.where
+            where = exc.where if timed_out else _learner_location(call.excinfo)
+        result = dict(nodeid=item.nodeid, name=item.name, point=_title(item), status=status,
+                      message=message, where=where)
+        _emit("result", **result)

@@ -23,7 +23,6 @@ from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config, Q
 from checks import hf_models, tp_workers
 from checks.kit import Rand, assert_close, impl, point
 
-pytestmark = pytest.mark.timeout(120)   # the first check runs every 2-process scenario (cached)
 MODULE = "m07_tensor_parallel"
 TP = tp_workers.WORLD
 

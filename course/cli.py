@@ -4,7 +4,7 @@
     ./check.sh m03 [--solutions]    grade mine/m03_*.py (or the reference)
     ./check.sh all [--solutions]    grade every written exercise
     ./check.sh hint m03 --level 2   one level of the card's 三级提示
-    ./check.sh show m03             the card, rendered in the terminal
+    ./check.sh show m03 [--level N] the card, rendered in the terminal (hints L1..LN opened; default none)
     ./check.sh watch m03            re-grade whenever the file is saved
     ./check.sh reset m03            restore the stub (your file is kept in mine/.backup/)
     ./check.sh run --prompt TEXT    assemble the engine (your passed exercises + references) and generate
@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import subprocess
@@ -22,10 +21,11 @@ import time
 
 from rich.console import Console
 from rich.markdown import Markdown
+from rich.markup import escape
 from rich.table import Table
 
 from . import cards, registry, state
-from .grade import Grade, run_checks
+from .grade import CHECK_TIMEOUT_S, Grade, run_checks
 from .select import ROOT
 
 console = Console(highlight=False)
@@ -50,6 +50,7 @@ RESULT_LABEL = {
     "timeout": "[red]✗ 超时[/]",
     "todo": "[yellow]… 未实现[/]",
     "skipped": "[cyan]- 跳过[/]",
+    "notrun": "[yellow]- 未运行[/]",
 }
 
 
@@ -95,19 +96,24 @@ def overview() -> int:
     return 0
 
 
-def _print_grade(grade: Grade, source: str) -> None:
+def _progress(kind: str, data: dict) -> None:
+    """Called by run_checks as the check process reports: the plan, then one line per finished check."""
+    if kind == "plan":
+        say(f"[dim]{len(data['checks'])} 个检查，每个检查最多 {data['limit']:g} 秒（Ctrl-C 中止）[/]")
+    elif kind == "result":
+        reason = f"  [dim]({escape(data['message'].removeprefix('Skipped: '))})[/]" if data["status"] == "skipped" else ""
+        say(f"  {RESULT_LABEL.get(data['status'], data['status'])} {escape(data['point'])}{reason}")
+
+
+def _print_summary(grade: Grade) -> None:
     ex = grade.exercise
-    say(f"[bold]{ex.id} · {ex.title}[/]  [dim]({source}, {grade.seconds:.1f} s)[/]")
-    for r in grade.results:
-        reason = f"  [dim]({r['message'].removeprefix('Skipped: ')})[/]" if r["status"] == "skipped" else ""
-        say(f"  {RESULT_LABEL.get(r['status'], r['status'])} {r['point']}{reason}")
     if grade.crash:
         say(f"[red]{grade.crash}[/]")
         return
     failing = [r for r in grade.results if r["status"] in ("failed", "error", "timeout")]
     if failing:
         r = failing[0]
-        say(f"\n[bold red]第一个失败的检查：{r['point']}[/]  [dim]({r['name']})[/]")
+        say(f"\n[bold red]第一个失败的检查：{escape(r['point'])}[/]  [dim]({escape(r['name'])})[/]")
         say(r["message"], markup=False)
         if r.get("where"):
             say(f"  位置：{r['where']}", markup=False)
@@ -121,8 +127,10 @@ def grade_one(exercise_id: str, solutions: bool) -> int:
     ex = _exercise(exercise_id)
     selection = {"default": "solutions", ex.module: "solutions" if solutions else "mine"}
     source = f"{'solutions' if solutions else 'mine'}/{ex.module}.py"
-    grade = run_checks(ex, selection)
-    _print_grade(grade, source)
+    say(f"[bold]{ex.id} · {ex.title}[/]  [dim]({source})[/]")
+    say("[dim]启动检查进程（导入 torch / transformers）……[/]")
+    grade = run_checks(ex, selection, on_event=_progress)
+    _print_summary(grade)
     n, total = grade.count("passed"), len(grade.results)
     if not solutions:
         status = "passed" if grade.passed else ("todo" if grade.all_todo else "failed")
@@ -131,13 +139,13 @@ def grade_one(exercise_id: str, solutions: bool) -> int:
         done = state.passed_ids(registry.CATALOGUE) | {ex.id}
         nxt = registry.next_after(ex.id, done)
         skipped = grade.count("skipped")
-        say(f"\n[green bold]全部 {total} 项通过。[/]" if not skipped else
+        say(f"\n[green bold]全部 {total} 项通过。[/] [dim]({grade.seconds:.1f} s)[/]" if not skipped else
             f"\n[green bold]{n} 项通过[/]，{skipped} 项跳过（需要 GPU，在 GPU 上再运行一次以完成验收）。")
         if not solutions:
             say(f"参考解：{ex.reference.relative_to(ROOT)}（讲解见书 附录 {ex.solution_ref}）。"
                           f"下一个练习：{nxt.id + ' ' + nxt.title if nxt else '没有了，全部完成！'}")
         return 0
-    say(f"\n结果：{n}/{total} 项通过。")
+    say(f"\n结果：{n}/{total} 项通过。 [dim]({grade.seconds:.1f} s)[/]")
     return 1
 
 
@@ -158,12 +166,14 @@ def hint(exercise_id: str, level: int) -> int:
     except KeyError as exc:
         say(f"[red]{exc.args[0]}[/]")
         return 2
+    if level < 3:
+        say(f"[dim]下一级提示：./check.sh hint {ex.id} --level {level + 1}[/]")
     return 0
 
 
-def show(exercise_id: str) -> int:
+def show(exercise_id: str, level: int = 0) -> int:
     ex = _exercise(exercise_id)
-    console.print(Markdown(cards.for_terminal(ex)))
+    console.print(Markdown(cards.for_terminal(ex, level)))
     return 0
 
 
@@ -229,10 +239,84 @@ def gpu_check(args: list[str]) -> int:
     if args == ["--solutions"]:
         selection = {"default": "solutions"}
         report = [(i, f"solutions/{registry.get(i).module}.py") for i, _ in report]
+    say(f"[bold]{ex.id} · {ex.title}[/]  [dim](assembled engine)[/]")
     say("[bold]引擎由这些文件组装[/]：" + "，".join(path for _, path in report))
-    grade = run_checks(ex, selection)
-    _print_grade(grade, "assembled engine")
+    grade = run_checks(ex, selection, on_event=_progress)
+    _print_summary(grade)
     return 0 if grade.passed else 1
+
+
+HELP = """用法：
+  ./check.sh                              进度与下一个练习
+  ./check.sh m03 [--solutions]            验收 mine/m03_*.py（--solutions：验收参考实现）
+  ./check.sh all [--solutions]            依次验收所有已发布的练习
+  ./check.sh hint m03 [--level 1|2|3]     三级提示中的一级
+  ./check.sh show m03 [--level 0|1|2|3]   在终端里读卡片；三级提示默认折叠，--level N 展开到第 N 级
+  ./check.sh watch m03 [--solutions]      保存即重新验收（Ctrl-C 退出）
+  ./check.sh reset m03                    把 mine/ 里的文件恢复为原始 stub（你的版本备份到 mine/.backup/）
+  ./check.sh run --prompt 文本            用你已通过的练习组装引擎并生成
+  ./check.sh selftest                     项目自测
+每个检查最多 {limit} 秒（COURSE_CHECK_TIMEOUT=秒数 可以放宽）。"""
+
+
+class UsageError(Exception):
+    """A command line that is not understood: printed in Chinese with the command's usage, exit 2."""
+
+
+USAGE = {
+    "grade": "./check.sh <练习编号> [--solutions]",
+    "all": "./check.sh all [--solutions]",
+    "hint": "./check.sh hint <练习编号> [--level 1|2|3]",
+    "show": "./check.sh show <练习编号> [--level 0|1|2|3]",
+    "watch": "./check.sh watch <练习编号> [--solutions]",
+    "reset": "./check.sh reset <练习编号>",
+    "gpu": "./check.sh gpu", "bench": "./check.sh bench",
+}
+# command: (takes an exercise id, its options: name -> allowed values, or None for a flag)
+GRAMMAR = {
+    "grade": (False, {"--solutions": None}),      # the exercise id is the command itself
+    "all": (False, {"--solutions": None}),
+    "hint": (True, {"--level": ("1", "2", "3")}),
+    "show": (True, {"--level": ("0", "1", "2", "3")}),
+    "watch": (True, {"--solutions": None}),
+    "reset": (True, {}),
+    "gpu": (False, {}), "bench": (False, {}),
+}
+
+
+def parse(command: str, args: list[str]) -> tuple[str | None, dict[str, str | bool]]:
+    """(exercise id, options) of `command`'s arguments; anything unexpected is a UsageError."""
+    takes_exercise, allowed = GRAMMAR[command]
+    exercise, options, rest = None, {}, list(args)
+    while rest:
+        arg = rest.pop(0)
+        name, _, value = arg.partition("=") if arg.startswith("--") else (arg, "", "")
+        if arg.startswith("-"):
+            if name not in allowed:
+                known = f"可用的选项：{'、'.join(allowed)}" if allowed else "这个命令没有选项"
+                raise UsageError(f"不认识的选项 {arg}（{known}）")
+            if name in options:
+                raise UsageError(f"选项 {name} 给了两次")
+            choices = allowed[name]
+            if choices is None:
+                if value:
+                    raise UsageError(f"选项 {name} 不带值")
+                options[name] = True
+                continue
+            if not value:
+                if not rest:
+                    raise UsageError(f"选项 {name} 需要一个值：{'、'.join(choices)}")
+                value = rest.pop(0)
+            if value not in choices:
+                raise UsageError(f"{name} 只能是 {'、'.join(choices)}，得到 {value!r}")
+            options[name] = value
+        elif takes_exercise and exercise is None:
+            exercise = arg
+        else:
+            raise UsageError(f"多余的参数 {arg!r}")
+    if takes_exercise and exercise is None:
+        raise UsageError("缺少练习编号")
+    return exercise, options
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         return overview()
     command = argv[0]
+    if command in ("-h", "--help", "help"):
+        say(HELP.format(limit=CHECK_TIMEOUT_S), markup=False)
+        return 0
     if command == "selftest":
         return selftest(argv[1:])
     if command == "run":
@@ -250,24 +337,25 @@ def main(argv: list[str] | None = None) -> int:
         return bench.main(argv[1:], say)
     if command == "gpu":
         return gpu_check(argv[1:])
-    parser = argparse.ArgumentParser(prog="./check.sh", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command")
-    parser.add_argument("exercise", nargs="?")
-    parser.add_argument("--solutions", action="store_true", help="grade the reference in solutions/")
-    parser.add_argument("--level", type=int, default=1, choices=(1, 2, 3))
-    args = parser.parse_args(argv)
-    if command in ("hint", "show", "watch", "reset"):
-        if not args.exercise:
-            say(f"[red]用法：./check.sh {command} <练习编号>，例如 ./check.sh {command} m03[/]")
-            return 2
-        if command == "hint":
-            return hint(args.exercise, args.level)
-        if command == "show":
-            return show(args.exercise)
-        if command == "watch":
-            return watch(args.exercise, args.solutions)
-        return reset(args.exercise)
-    if command == "all":
-        return grade_all(args.solutions)
-    return grade_one(command, args.solutions)
+    key = command if command in GRAMMAR and command != "grade" else "grade"
+    if key == "grade" and command.startswith("-"):
+        say(f"./check.sh：不认识的命令 {command}（用法见 ./check.sh --help）", style="red", markup=False)
+        return 2
+    try:
+        exercise, options = parse(key, argv[1:])
+    except UsageError as exc:
+        say(f"./check.sh {command}：{exc}", style="red", markup=False)
+        say(f"用法：{USAGE[key]}", markup=False)
+        return 2
+    solutions = bool(options.get("--solutions"))
+    if key == "hint":
+        return hint(exercise, int(options.get("--level", 1)))
+    if key == "show":
+        return show(exercise, int(options.get("--level", 0)))
+    if key == "watch":
+        return watch(exercise, solutions)
+    if key == "reset":
+        return reset(exercise)
+    if key == "all":
+        return grade_all(solutions)
+    return grade_one(command, solutions)

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 from . import registry, select, state
@@ -34,9 +35,16 @@ def tiny_dummy_config(vocab_size: int):
                        tie_word_embeddings=True)
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """An unknown or malformed option: a Chinese message, exit 2 (argparse's own text kept for the detail)."""
+        self.print_usage(sys.stderr)
+        message = message.replace("unrecognized arguments:", "不认识的参数")
+        self.exit(2, f"./check.sh run：参数错误（{message}）\n")
+
+
 def main(argv: list[str], say) -> int:
-    parser = argparse.ArgumentParser(prog="./check.sh run", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="./check.sh run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt", default="你好，请用一句话介绍你自己。")
     parser.add_argument("--model", help="an HF model folder (config.json, *.safetensors, tokenizer)")
     parser.add_argument("--max-tokens", type=int, default=48)

@@ -2,8 +2,12 @@
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
+import uuid
+from pathlib import Path
 
 import pytest
 
@@ -75,6 +79,42 @@ def test_kernel_bench_without_cuda_needs_a_gpu():
     assert out.returncode == 1 and "需要 GPU" in out.stdout, out.stdout + out.stderr
 
 
+HINT_BODIES = {1: "I/O 示例 + 关键问题", 2: "思路拆分与常见坑", 3: "详解：答案、逐步追踪"}   # m03's L1/L2/L3 openings
+
+
+@pytest.mark.parametrize("level", [0, 2])
+def test_show_folds_the_hints_deeper_than_asked(level):
+    out = cli("show", "m03", *(["--level", str(level)] if level else []))
+    assert out.returncode == 0, out.stdout
+    text = " ".join(out.stdout.split())             # rich wraps long lines
+    for n, body in HINT_BODIES.items():
+        assert (body in text) == (n <= level), f"L{n} {'hidden' if n <= level else 'shown'} at --level {level}"
+        if n > level:
+            assert f"./check.sh hint m03 --level {n}" in text, f"no line says how to open L{n}"
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["m03", "extra"], "多余的参数 'extra'"),
+    (["show", "m03", "--bogus"], "不认识的选项 --bogus"),
+    (["show", "m03", "m04"], "多余的参数 'm04'"),
+    (["hint", "m03", "--level", "4"], "--level 只能是 1、2、3"),
+    (["hint", "m03", "--level"], "--level 需要一个值"),
+    (["m03", "--level", "2"], "不认识的选项 --level"),
+    (["all", "m03"], "多余的参数 'm03'"),
+    (["reset", "m03", "--solutions"], "这个命令没有选项"),
+    (["show"], "缺少练习编号"),
+])
+def test_unexpected_arguments_are_errors(args, fragment):
+    out = cli(*args)
+    assert out.returncode == 2, out.stdout
+    assert fragment in out.stdout and "用法：./check.sh" in out.stdout, out.stdout
+
+
+def test_run_rejects_unknown_arguments():
+    out = cli("run", "--bogus")
+    assert out.returncode == 2 and "不认识的参数 --bogus" in out.stderr, out.stderr
+
+
 def test_run_generates_offline_and_names_the_files(state_dir):
     out = cli("run", "--prompt", "你好", "--max-tokens", "5", env_extra=state_dir)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -98,6 +138,7 @@ def test_passing_mine_is_recorded_and_reset_restores_the_stub(tmp_path, state_di
     out = cli("m03", cwd=repo, env_extra=state_dir)
     assert out.returncode == 0, out.stdout
     assert "solutions/m03_sparse_moe.py" in out.stdout and "下一个练习" in out.stdout
+    assert "10 个检查，每个检查最多 20 秒" in out.stdout, out.stdout
     overview = cli(cwd=repo, env_extra=state_dir)
     assert "m03" in overview.stdout and "✓ 通过" in overview.stdout
     out = cli("reset", "m03", cwd=repo, env_extra=state_dir)
@@ -159,3 +200,36 @@ def test_watch_grades_once_then_keeps_watching(state_dir):
     finally:
         proc.kill()
         proc.wait()
+
+
+def _processes_with(mark: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and mark.encode() in (entry / "environ").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc")
+def test_ctrl_c_exits_130_quietly_and_kills_the_checks(state_dir):
+    mark = uuid.uuid4().hex
+    proc = subprocess.Popen([sys.executable, "-m", "course", "m03", "--solutions"], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            env=dict(os.environ, COURSE_TEST_MARK=mark, **state_dir))
+    try:
+        assert "m03 · " in proc.stdout.readline()                # the header comes at once
+        end = time.monotonic() + 60
+        while len(_processes_with(mark)) < 2 and time.monotonic() < end:   # the check process is running
+            time.sleep(0.2)
+        assert len(_processes_with(mark)) >= 2, "the grader never started its check process"
+        os.killpg(proc.pid, signal.SIGINT)                      # what the terminal does on Ctrl-C
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, (out, err)
+    assert "Traceback" not in out + err and "已中止" in err, (out, err)
+    assert _processes_with(mark) == [], "a check process outlived Ctrl-C"

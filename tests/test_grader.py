@@ -1,34 +1,57 @@
-"""The grader survives a broken learner file: syntax error, exception, infinite loop; and reports where."""
+"""The grader survives a broken learner file: syntax error, exception, infinite loop; and reports where.
 
-from course import registry
+A hang costs one check's limit, not one per check: the function that never returned is named, later checks
+that call it report 超时 at once, and once a check has timed out the run ends at its deadline.
+"""
+
+import time
+
+import pytest
+
+from checks.timeouts import HungEarlier, _raiser
+from course import grade, registry
 from course.grade import run_checks
 
-M03 = registry.get("m03")
+M03, E05 = registry.get("m03"), registry.get("e05")
+ROUTE_TODO = 'raise NotImplementedError("m03: 请实现 route（见 lessons/m03_sparse_moe.md）")'
+MOE_TODO = 'raise NotImplementedError("m03: 请实现 moe_forward（见 lessons/m03_sparse_moe.md）")'
+GENERATE_TODO = 'raise NotImplementedError("e05: 请实现 LLM.generate（见 lessons/e05_engine.md）")'
 
 
-def _grade_source(tmp_path, source: str, timeout: int = 30):
-    path = tmp_path / "m03_sparse_moe.py"
+def _grade_source(tmp_path, source: str, timeout: float | None = 30, ex=M03, **kwargs):
+    path = tmp_path / f"{ex.module}.py"
     path.write_text(source, encoding="utf-8")
-    return run_checks(M03, {"default": "solutions", M03.module: str(path)}, timeout_s=timeout)
+    return run_checks(ex, {"default": "solutions", ex.module: str(path)}, timeout_s=timeout, **kwargs)
+
+
+def _stub(ex, todo: str, body: str, indent: str = "    ") -> str:
+    return _plant(ex.stub.read_text(encoding="utf-8"), todo, body, indent)
+
+
+def _plant(source: str, todo: str, body: str, indent: str = "    ") -> str:
+    """The stub with one task's `raise NotImplementedError` replaced by `body`."""
+    assert todo in source
+    return source.replace(todo, body.replace("\n", "\n" + indent))
+
+
+def _summary(g) -> str:
+    return g.crash + "\n".join(f"{r['status']:8} {r['point']}: {r['message'][:200]} {r['where']}" for r in g.results)
 
 
 def test_syntax_error_is_reported_per_check_with_its_line(tmp_path):
-    grade = _grade_source(tmp_path, "import torch\n\ndef route(x:\n")
-    assert len(grade.results) >= 5 and not grade.crash
-    for r in grade.results:
+    g = _grade_source(tmp_path, "import torch\n\ndef route(x:\n")
+    assert len(g.results) >= 5 and not g.crash
+    for r in g.results:
         assert r["status"] == "error" and r["message"].startswith("SyntaxError"), r
         assert r["where"].endswith("m03_sparse_moe.py:3"), r
 
 
 def test_exception_is_reported_with_file_and_line(tmp_path):
-    stub = M03.stub.read_text(encoding="utf-8")
-    source = stub.replace('raise NotImplementedError("m03: 请实现 route（见 lessons/m03_sparse_moe.md）")',
-                          "x = 1\n    raise ValueError('boom')")
-    grade = _grade_source(tmp_path, source)
-    route_checks = [r for r in grade.results if "ValueError" in r["message"]]
-    assert route_checks, grade.results
+    g = _grade_source(tmp_path, _stub(M03, ROUTE_TODO, "x = 1\nraise ValueError('boom')"))
+    route_checks = [r for r in g.results if "ValueError" in r["message"]]
+    assert route_checks, g.results
     assert all(r["status"] == "error" and ":" in r["where"] for r in route_checks)
-    assert any(r["status"] == "todo" for r in grade.results)   # the other tasks are still 未实现
+    assert any(r["status"] == "todo" for r in g.results)   # the other tasks are still 未实现
 
 
 def test_infinite_loop_times_out_and_the_grader_goes_on(tmp_path):
@@ -48,3 +71,75 @@ def test_a_check_skipped_for_want_of_a_gpu_neither_fails_nor_passes():
     assert not Grade(M03, [row("passed"), row("failed"), row("skipped")]).passed
     assert Grade(M03, [row("todo"), row("skipped")]).all_todo
     assert not Grade(M03, [row("skipped")]).all_todo
+
+
+def test_a_hang_is_named_and_later_calls_are_not_waited_for(tmp_path):
+    events = []
+    g = _grade_source(tmp_path, _stub(M03, ROUTE_TODO, "while True:\n    pass"), timeout=2,
+                      on_event=lambda kind, data: events.append((time.monotonic(), kind, data)))
+    assert len(g.results) == 10 and not g.crash, _summary(g)
+    timeouts = [r for r in g.results if r["status"] == "timeout"]
+    assert len(timeouts) >= 3, _summary(g)
+    first, later = timeouts[0], timeouts[1:]
+    assert "超过 2 秒" in first["message"] and "route()" in first["message"], first
+    assert "m03_sparse_moe.py:" in first["where"], first
+    for r in later:
+        assert "route()" in r["message"] and "前面的检查" in r["message"], r
+    assert {r["status"] for r in g.results} == {"timeout", "todo"}, _summary(g)
+    # progress: the plan first (with the limit), then one event per check, as it finished
+    kinds = [k for _, k, _ in events]
+    assert kinds == ["plan"] + ["result"] * 10 and events[0][2]["limit"] == 2
+    after_first = [t for t, k, d in events if k == "result" and d is not first][-1] - \
+        next(t for t, k, d in events if k == "result" and d["status"] == "timeout")
+    assert after_first < 10, f"the checks after the hang took {after_first:.1f} s"
+
+
+def test_a_hanging_stub_is_reported_within_a_minute_with_the_default_limit(tmp_path):
+    g = _grade_source(tmp_path, _stub(M03, ROUTE_TODO, "while True:\n    pass"), timeout=None)
+    assert g.seconds < 60, f"{g.seconds:.0f} s\n{_summary(g)}"
+    assert g.limit == grade.CHECK_TIMEOUT_S <= 30
+    timeouts = [r for r in g.results if r["status"] == "timeout"]
+    assert timeouts and f"超过 {grade.CHECK_TIMEOUT_S} 秒" in timeouts[0]["message"], _summary(g)
+
+
+def test_a_hanging_engine_is_reported_quickly(tmp_path):
+    g = _grade_source(tmp_path, _stub(E05, GENERATE_TODO, "while True:\n    pass", indent="        "), ex=E05,
+                      timeout=5)
+    assert not g.crash and g.seconds < 60, f"{g.seconds:.0f} s\n{_summary(g)}"
+    timeouts = [r for r in g.results if r["status"] == "timeout"]
+    assert len(timeouts) >= 2 and "LLM.generate()" in timeouts[0]["message"], _summary(g)
+    assert sum("超过 5 秒没有结束" in r["message"] for r in timeouts) == 1, _summary(g)
+
+
+def test_after_a_timeout_nothing_runs_past_the_deadline(tmp_path):
+    source = _plant(_stub(M03, ROUTE_TODO, "while True:\n    pass"), MOE_TODO, "while True:\n    pass")
+    g = _grade_source(tmp_path, source, timeout=2, wall_s=1)
+    statuses = [r["status"] for r in g.results]
+    assert statuses[0] == "timeout" and set(statuses[1:]) == {"notrun"}, _summary(g)
+    assert "未运行" in g.results[1]["message"]
+
+
+def test_a_check_that_swallows_its_interrupt_is_killed(tmp_path):
+    body = "while True:\n    try:\n        while True:\n            pass\n    except BaseException:\n        pass"
+    g = _grade_source(tmp_path, _stub(M03, ROUTE_TODO, body), timeout=1)
+    assert g.seconds < 60 and not g.crash, _summary(g)
+    assert g.results[0]["status"] == "timeout" and "强制结束" in g.results[0]["message"], _summary(g)
+    assert len(g.results) == 10 and {r["status"] for r in g.results[1:]} == {"notrun"}, _summary(g)
+
+
+def test_a_disabled_function_raises_at_once_whatever_its_closure():
+    class Base:
+        def f(self):
+            return 0
+
+    k = 3
+
+    class Child(Base):
+        def f(self):                        # super() makes __class__ a free variable; k is another
+            while True:
+                super().f() + k
+
+    code = Child.f.__code__
+    Child.f.__code__ = _raiser(code.co_freevars, "hung", "here")
+    with pytest.raises(HungEarlier, match="hung"):
+        Child().f()

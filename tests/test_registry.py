@@ -47,6 +47,12 @@ def test_written_cards_have_every_section_and_header():
             assert cards.hint(ex, level).strip(), f"{ex.id}: empty L{level}"
 
 
+def test_every_l2_hint_says_how_to_run_the_exercise_outside_the_checker():
+    for ex in registry.written():
+        assert cards.self_test_line(ex) in cards.hint(ex, 2), \
+            f"{ex.card.name}: L2 must end with the standard line (course/cards.py SELF_TEST)"
+
+
 def _mistake_bullets(text: str) -> list[str]:
     section = text.split("## 易错点", 1)[1].split("\n## ", 1)[0]
     return [line for line in section.splitlines() if re.match(r"^\s*[-*] ", line)]

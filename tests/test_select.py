@@ -51,3 +51,25 @@ def test_a_failed_import_is_retried():
         bad = pathlib.Path(d) / "bad.py"
         bad.write_text("def f(:\n")
         assert _run(code, {"default": "solutions", "m03_sparse_moe": str(bad)}).split() == ["syntax", "syntax"]
+
+
+def test_use_loads_mine_for_the_named_exercises_and_solutions_for_the_rest():
+    """`from course import use` in a notebook: the checker's selection, without touching the environment first."""
+    code = ("import sys; sys.path.insert(0, '.')\n"
+            "from course import use\n"
+            "m05 = use('m05')\n"
+            "import impl.m01_rmsnorm as m01\n"
+            "print(m05.__file__, m01.__file__)\n"
+            "a, b = use(mine=['m01', 'M05'])\n"
+            "print(a.__file__, b.__file__)\n"
+            "m06 = use('m06_models', mine='m01')\n"
+            "print(m06.__file__, sys.modules['impl.m01_rmsnorm'].__file__, use('m02').__name__)\n"
+            "try:\n    use('m99')\nexcept ValueError as exc:\n    print('error', 'm03' in str(exc))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=select.ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line.split() for line in proc.stdout.strip().splitlines()]
+    folder = lambda path: path.split("/")[-2] + "/" + path.split("/")[-1]      # noqa: E731
+    assert [folder(p) for p in lines[0]] == ["mine/m05_gated_deltanet.py", "solutions/m01_rmsnorm.py"]
+    assert [folder(p) for p in lines[1]] == ["mine/m01_rmsnorm.py", "mine/m05_gated_deltanet.py"]
+    assert [folder(p) for p in lines[2][:2]] == ["mine/m06_models.py", "mine/m01_rmsnorm.py"]
+    assert lines[2][2] == "impl.m02_rope" and lines[3] == ["error", "True"]
