@@ -186,9 +186,13 @@ def test_stress():
     params = [e01.SamplingParams(temperature=0.0, max_tokens=r.int(1, 10), ignore_eos=True) if i % 3 else
               e01.SamplingParams(temperature=1.0, top_k=8, seed=i, max_tokens=r.int(1, 10), ignore_eos=True)
               for i in range(len(prompts))]
-    free = m.LLM(model, max_num_seqs=64, num_kvcache_blocks=512, block_size=4).generate(prompts, params)
+    with _engine("压力测试（不受限运行）"):
+        free = m.LLM(model, max_num_seqs=64, num_kvcache_blocks=512, block_size=4).generate(prompts, params)
     tight = m.LLM(model, max_num_seqs=16, num_kvcache_blocks=12, block_size=4, max_num_batched_tokens=24)
-    outs = tight.generate(prompts, params)
+    tight.runner.sampler = contract = ContractSampler(tight.runner.sampler, "压力测试（12 个 KV block，有抢占）", r)
+    with _engine("压力测试（12 个 KV block）"):
+        outs = tight.generate(prompts, params)
+    contract.verify()                          # seeded requests against the contract itself, not only the other run
     for i, (a, b) in enumerate(zip(outs, free)):
         assert a.error is None and a.finished, f"请求 {i} 没有完成：{a}"
         assert a.token_ids == b.token_ids, (f"请求 {i}：小 KV 池（有抢占）与不受限运行的输出不同：{a.token_ids} vs {b.token_ids}；{r}")
