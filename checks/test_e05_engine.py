@@ -144,7 +144,8 @@ def test_greedy_matches_hf():
 @point("prefix 共享：命中的 block 数 > 0，输出不变")
 def test_prefix_cache_hits():
     r = Rand()
-    llm, prompts, refs, outs, hf = _run("qwen3", r, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    llm, prompts, refs, outs, hf = _run("qwen3", r, block_size=r.choice([2, 4, 8]), max_num_seqs=r.int(2, 4),
+                                        max_num_batched_tokens=r.int(32, 64))
     _assert_same(outs, refs, prompts, "prefix caching 打开时的输出", r, hf)
     hits = llm.stats["prefix_hit_blocks"]
     assert hits > 0, f"3 条 prompt 共享 12 个 token 的前缀，却没有一个 block 命中 prefix cache（stats={llm.stats}）"
@@ -154,16 +155,17 @@ def test_prefix_cache_hits():
 def test_chunked_prefill():
     r = Rand()
     for family in ("qwen3", "qwen3_5_moe_text"):
-        llm, prompts, refs, outs, hf = _run(family, r, max_num_batched_tokens=8, max_num_seqs=4, block_size=4)
-        _assert_same(outs, refs, prompts, f"{family}：token 预算 8 时的输出", r, hf)
+        llm, prompts, refs, outs, hf = _run(family, r, max_num_batched_tokens=r.int(4, 8), max_num_seqs=4,
+                                            block_size=r.choice([2, 4, 8]))
+        _assert_same(outs, refs, prompts, f"{family}：token 预算 {llm.config.max_num_batched_tokens}、block_size {llm.config.block_size} 时的输出", r, hf)
 
 
 @point("抢占：KV 池很小，发生了抢占（计数 > 0），输出不变，block 全部归还")
 def test_preemption():
     r = Rand()
     for family in ("qwen3", "qwen3_5_moe_text"):
-        llm, prompts, refs, outs, hf = _run(family, r, block_size=4, num_kvcache_blocks=14, max_num_seqs=6,
-                                        max_num_batched_tokens=32)
+        llm, prompts, refs, outs, hf = _run(family, r, block_size=4, num_kvcache_blocks=14, max_num_seqs=r.int(4, 6),
+                                            max_num_batched_tokens=r.int(16, 32))
         try:
             _assert_same(outs, refs, prompts, f"{family}：14 个 KV block 时的输出", r, hf)
         except AssertionError as exc:
@@ -232,7 +234,8 @@ def test_streaming():
     m, e01 = impl(MODULE), impl("e01_sampling")
     r = Rand()
     folder, prompts, refs = _case("qwen3", r.seed)
-    llm = m.LLM(str(folder), max_num_batched_tokens=16, max_num_seqs=8)
+    llm = m.LLM(str(folder), max_num_batched_tokens=r.int(8, 24), max_num_seqs=r.int(3, 8),
+                block_size=r.choice([4, 8, 16]))
     got = {i: [] for i in range(len(prompts))}
     finished, events = set(), 0
     _probe()
