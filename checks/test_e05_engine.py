@@ -213,13 +213,13 @@ def test_bad_input_is_isolated():
     good = _greedy(e01)
     batch = [prompts[0], [], list(range(1, 70)), [5, 80, 3], prompts[1]]
     params = [good, good, good, good, good]
-    with explain_crash(BAD_INPUT):
+    with _engine("坏输入的 generate"):
         outs = llm.generate(batch, params)
     _assert_same([outs[0], outs[4]], [refs[0], refs[1]], [prompts[0], prompts[1]], "坏请求旁边的正常请求", r)
     for i, needle in ((1, "empty"), (2, "max_model_len"), (3, "vocab")):
         assert outs[i].error and needle in outs[i].error, f"坏请求 {i} 的错误信息应提到 {needle!r}，得到 {outs[i].error!r}"
         assert outs[i].token_ids == [], f"坏请求 {i} 不应产生 token"
-    with explain_crash(BAD_INPUT):
+    with _engine("非法采样参数的 generate"):
         outs = llm.generate([prompts[0], prompts[1], prompts[2]], [dict(temperature=-1.0), good, dict(temprature=0.0)])
     assert outs[0].error and "temperature" in outs[0].error, f"非法 temperature 的错误信息：{outs[0].error!r}"
     assert outs[2].error and "temprature" in outs[2].error, f"拼错的采样参数名应是这个请求自己的错误：{outs[2].error!r}"
@@ -239,12 +239,13 @@ def test_streaming():
     got = {i: [] for i in range(len(prompts))}
     finished, events = set(), 0
     _probe()
-    for index, token, done, error in llm.stream(prompts, _greedy(e01)):
-        assert error is None and index not in finished, f"请求 {index} 结束后又产出了 token"
-        got[index].append(token)
-        events += 1
-        if done:
-            finished.add(index)
+    with _engine("stream"):
+        for index, token, done, error in llm.stream(prompts, _greedy(e01)):
+            assert error is None and index not in finished, f"请求 {index} 结束后又产出了 token"
+            got[index].append(token)
+            events += 1
+            if done:
+                finished.add(index)
     assert finished == set(got), "有请求没有收到 finished 事件"
     assert events == NEW_TOKENS * len(prompts), (f"stream 产出了 {events} 个 token 事件，应为 {NEW_TOKENS * len(prompts)}"
                                                  "\n  看起来像易错点：stream 攒到请求结束才一次性吐出（应在采样出每个 token 的那一步就 yield）")
@@ -260,7 +261,8 @@ def test_text_in_text_out():
     config = hf_models.tiny_config("qwen3", r, vocab=len(tok), layers=1)
     model = m06.init_dummy_weights(m06.build_model(config), seed=r.seed).eval()
     llm = m.LLM(model, tokenizer=tok)
-    out = llm.generate(["你好，Qwen"], _greedy(e01, 6))[0]
+    with _engine("文本进出"):
+        out = llm.generate(["你好，Qwen"], _greedy(e01, 6))[0]
     assert out.prompt_token_ids == tok.encode("你好，Qwen"), "字符串 prompt 应该用 tokenizer 编码"
     assert len(out.token_ids) == 6 and out.text == tok.decode(out.token_ids, skip_special_tokens=True), \
         f"输出文本应是生成 token 的解码：{out}"
@@ -296,7 +298,8 @@ def test_card_example():
     llm = m.LLM(cfg, block_size=4, num_kvcache_blocks=6, max_num_seqs=3, max_num_batched_tokens=8, max_model_len=64)
     greedy = [_greedy(e01, n) for n in (5, 4, 3, 3)]
     prompts = [[11, 12, 13, 14, 15], list(range(20, 30)), [], [40, 41, 42]]
-    events = list(llm.stream(prompts, greedy))
+    with _engine("卡片例子的 stream"):
+        events = list(llm.stream(prompts, greedy))
     assert events[0][0] == 2 and events[0][1] is None and "empty" in (events[0][3] or ""), \
         f"空 prompt 应先得到一个带错误的事件，得到 {events[0]}"
     tokens = {i: [t for j, t, _, _ in events[1:] if j == i] for i in (0, 1, 3)}
@@ -314,8 +317,9 @@ def _dummy(m06, family: str, r: Rand, vocab: int = 64):
     return m06.init_dummy_weights(m06.build_model(config), seed=r.seed, std=0.2).eval()
 
 
-def _assert_idle(llm, what: str, r: Rand) -> None:
-    """Nothing queued, every block free, every GDN slot free, the requests table empty."""
+def _assert_idle(llm, what: str, r: Rand, slot_mistake: str | None = None) -> None:
+    """Nothing queued, every block free, every GDN slot free, the requests table empty. slot_mistake: what a held
+    GDN slot means at this point (the earlier stages of the check have ruled out the other causes)."""
     stats = llm.stats
     if llm.has_unfinished():
         raise AssertionError(f"{what}：调度器里还有请求（waiting {len(llm.scheduler.waiting)}、running "
@@ -325,8 +329,9 @@ def _assert_idle(llm, what: str, r: Rand) -> None:
                              f"（stats={stats}）；{r}")
     pool = llm.runner.gdn_pool
     if pool is not None and pool.slot_of:
+        hint = f"\n  看起来像易错点：{slot_mistake}" if slot_mistake else ""
         raise AssertionError(f"{what}：GDN 状态池里还有 {len(pool.slot_of)} 个槽位被占着（序列 {sorted(pool.slot_of)}）"
-                             f"；{r}")
+                             f"{hint}；{r}")
     if llm.requests:
         raise AssertionError(f"{what}：self.requests 里还留着 {len(llm.requests)} 个请求 {sorted(llm.requests)}"
                              f"\n  看起来像易错点：{REQUESTS_LEAK}；{r}")
@@ -347,7 +352,7 @@ def test_cleanup():
         with _engine(f"混合模型、{kw} 的第 {call + 1} 次 generate"):
             outs = llm.generate(prompts, _greedy(e01, r.int(2, 6)))
         assert all(o.finished and o.error is None for o in outs), f"第 {call + 1} 次 generate 有请求没完成：{outs}"
-        _assert_idle(llm, f"第 {call + 1} 次 generate 之后", r)
+        _assert_idle(llm, f"第 {call + 1} 次 generate 之后", r, ENGINE_CRASHES["GDN state pool exhausted"])
 
     stream = llm.stream(prompts, _greedy(e01, 8))
     with _engine("stream"):
@@ -357,7 +362,8 @@ def test_cleanup():
     if llm.has_unfinished() or llm.stats["free_blocks"] != llm.stats["total_blocks"]:
         raise AssertionError(f"调用者读了几个事件就退出 stream（生成器被 close）之后，请求还在调度器里或 block 没归还"
                              f"（stats={llm.stats}）\n  看起来像易错点：{STREAM_ABORT}；{r}")
-    _assert_idle(llm, "中途退出 stream 之后", r)
+    # generate has released finished requests above, and the queues are empty: what holds a slot now was aborted
+    _assert_idle(llm, "中途退出 stream 之后（stream 的 finally 对没结束的请求调 abort）", r, ABORT_SLOT)
 
     ids = [llm.add_request(p, _greedy(e01, 12)) for p in prompts[:seqs]]
     with _engine("abort 之前的 step"):
@@ -440,7 +446,8 @@ def test_boundaries():
     if batch != before:
         raise AssertionError(f"generate 改动了调用者传进来的 prompt 列表：之前 {before}，之后 {batch}"
                              f"（Sequence 要保存自己的副本再往里追加 token）；{r}")
-    rid = llm.add_request(r.randint(0, 64, (r.int(1, 6),)).tolist(), _greedy(e01, 3))
+    with _engine("add_request"):
+        rid = llm.add_request(r.randint(0, 64, (r.int(1, 6),)).tolist(), _greedy(e01, 3))
     got = llm.requests[rid].block_size
     llm.abort(rid)
     if got != bs:
