@@ -311,7 +311,10 @@ def test_allocate_append_free():
         if len(seq) % bs and bm.blocks[seq.block_table[-1]].hash != -1:
             _fail(f"{what}：最后一块还没满，却已经有了哈希", r, PARTIAL_CACHED)
 
-    # a full free list: can_append is False exactly when the next token opens a block
+    # a full free list: can_append is False exactly when the next token opens a block. First make sure the
+    # last block has room left, so that every run appends into it with no free block
+    if len(seq) % bs == 0:
+        _grow(m, bm, seq, r.int(0, 999), content, "开启新块（还有空闲块）", r)
     filler = m.Sequence([r.int(0, 999) for _ in range(bm.num_free_blocks * bs)])
     _admit(m, bm, filler, content, live, "用一条序列占满所有空闲块", r)
     while (len(seq)) % bs:                                        # fill the last block
