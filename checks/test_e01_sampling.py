@@ -36,6 +36,10 @@ CROSSING = ("top-p 差一位：把越过阈值的那个 token 也过滤掉了（
             "升序累加时只删 cumsum <= 1 - top_p 的 token，且最大的那个永远保留）")
 TOPK0 = "top_k=0 应表示“关闭”（保留全部 V 个），你把它当成 k=0 / 下标越界了"
 MINP_ABS = "min_p 当成了绝对概率阈值（应为 min_p * p_max，相对最大概率）"
+MINP_LE = ("min_p 的比较用了 <=：HF 删的是 p < min_p * p_max（严格小于），概率恰好等于阈值的 token 要保留"
+           "——min_p=1 时最大的那个（以及与它并列的）都应留下")
+TOPP_STRICT = ("top-p 的边界用了 <：升序累计概率恰好等于 1 - top_p 的 token 也要删（HF：cumsum <= 1 - top_p），"
+               "并列的 logits 正好落在这个边界上")
 TIES = "并列 logits 的取舍与 HF 相反：HF 用升序 stable 排序，并列时 index 大的排在后面、先被保留"
 TOPK_TIES = "top-k 只留了恰好 k 个（按 topk 的下标做 mask），丢了与第 k 大并列的 token（HF 删的是严格小于第 k 大的值）"
 TOPP_OFF = ("top_p=1 时没有整体跳过 top-p：softmax 下溢成 0 的 token 满足 cumsum <= 1 - 1 = 0 被误删"
@@ -43,12 +47,16 @@ TOPP_OFF = ("top_p=1 时没有整体跳过 top-p：softmax 下溢成 0 的 token
 GREEDY = "temperature=0 的行也去采样了：应直接取 argmax（并列取第一个）"
 SHARED_GEN = ("所有行共用一个 generator（或一次从一个 generator 抽整个 [B, V] 的噪声）："
               "带 seed 的行的结果随 batch 里的其他行变化")
+REGEN = ("每一步都按 seed 重新建 generator（或重置了它）：每一步抽到的是同一份噪声；generator 在请求到来时建一次，"
+         "之后每一步都用传进来的那个（第 t 步是它的第 t 份噪声）")
 NO_GEN = "没有用该行自己的 generator 抽噪声（用了全局 RNG），同一个 seed 两次运行结果不同"
 BOOL = "校验没有排除 bool：True 是 int 的子类，isinstance(True, numbers.Real) 也为真，会被当成 1"
 TYPE_FIRST = "校验时先比较大小再查类型：\"0.7\" >= 0 抛的是 TypeError，应先查类型、抛带字段名的 ValueError"
 HALF = "softmax 等采样数学在 bf16/fp16 里做（应先 logits.float()，全部在 fp32 里算）"
 CONTRACT = ("与卡片约定的 exponential race 不一致：q = torch.empty(V).exponential_(generator=g)（fp32，形状 [V]，"
             "每个采样行从自己的 generator 抽一次），token = argmax(softmax(warp_logits) / q)")
+
+MISTAKE_HINT = "\n  看起来像易错点："
 
 CRASHES = {
     "out of bounds": TOPK0,
@@ -85,7 +93,7 @@ def hf_warp(logits: torch.Tensor, T, k, p, mp) -> torch.Tensor:
 # ------------------------------------------------------------------------------- classic wrong answers
 
 def _variant_row(row, T, k, p, mp, temp="first", keep_crossing=True, relative=True, flip_ties=False,
-                 exact_k=False, p1_applies=False):
+                 exact_k=False, p1_applies=False, strict_p=False, min_p_le=False):
     """One row through a plain re-implementation of the chain with one classic mistake switched on."""
     if flip_ties:                                   # reversed vocab: ties broken the other way round
         return _variant_row(row.flip(0), T, k, p, mp).flip(0)
@@ -99,13 +107,14 @@ def _variant_row(row, T, k, p, mp, temp="first", keep_crossing=True, relative=Tr
         sx, idx = torch.sort(x, stable=True)
         probs = sx.softmax(-1)
         cum = probs.cumsum(-1) - (0 if keep_crossing else probs)
-        drop = cum <= 1 - p
+        drop = cum < 1 - p if strict_p else cum <= 1 - p
         drop[-1] = False
         x = x.clone()
         x[idx[drop]] = -INF
-    if mp:
+    if mp or min_p_le:
         pr = x.softmax(-1)
-        x = x.masked_fill(pr < (mp * pr.max() if relative else mp), -INF)
+        limit = mp * pr.max() if relative else mp
+        x = x.masked_fill(pr <= limit if min_p_le else pr < limit, -INF)
     return x / T if temp == "last" else x
 
 
@@ -120,7 +129,9 @@ def _warp_mistakes(logits, T, k, p, mp, ties: bool = False) -> list:
            (_variant(logits, T, k, p, mp, keep_crossing=False), CROSSING),
            (_variant(logits, T, k, p, mp, relative=False), MINP_ABS),
            (_variant(logits, T, k, p, mp, p1_applies=True), TOPP_OFF),
-           (_variant(logits, T, k, p, mp, exact_k=True), TOPK_TIES)]
+           (_variant(logits, T, k, p, mp, exact_k=True), TOPK_TIES),
+           (_variant(logits, T, k, p, mp, min_p_le=True), MINP_LE),
+           (_variant(logits, T, k, p, mp, strict_p=True), TOPP_STRICT)]
     if ties:
         out.append((_variant(logits, T, k, p, mp, flip_ties=True), TIES))
     return out
@@ -152,8 +163,12 @@ def assert_warp(out, logits, T, k, p, mp, r: Rand, what: str, ties: bool = False
            f"该行应保留 {int(ref_kept[b].sum())} 个 token，你保留了 {int(kept[b].sum())} 个；{r}")
     named = next((mistake for wrong, mistake in _warp_mistakes(logits, T, k, p, mp, ties=ties) if _same(out, wrong)),
                  None)
-    if named is None and bool((~kept).all(dim=-1).any()):
-        named = f"有一行被全部过滤成 -inf。{TOPK0}"
+    empty = (~kept).all(dim=-1)
+    if named is None and _same(out, ref.masked_fill((k == 0)[:, None], -INF)):   # exactly the top_k = 0 rows emptied
+        named = f"top_k=0 的行被全部过滤成 -inf。{TOPK0}"
+    if named is None and bool(empty.any()):
+        msg += (f"\n  第 {int(empty.nonzero()[0])} 行被全部过滤成了 -inf：HF 每个 warper 都至少保留 1 个 token"
+                "（min_tokens_to_keep=1），概率最大的那个永远留下")
     if named is None:                                          # top-k ties dropped, whichever tied ones were kept
         x = logits[b] / T[b]
         kb = int(k[b])
@@ -321,6 +336,24 @@ def test_warp_edges_and_ties():
     assert_close(out[everything_off], logits[everything_off], what="全部关闭（T=1, top_k=0, top_p=1, min_p=0）的行",
                  rand=r)
 
+    # exactly on the boundary, every run: n tied maxima (probabilities exactly 1/n, the rest underflow to 0),
+    # top_p = j/n puts a cumulative sum exactly on 1 - top_p; min_p = 1 puts every tied maximum exactly on the
+    # threshold p_max
+    rows = []
+    for n in (2, 4):
+        for j in range(1, n + 1):
+            rows.append((n, _f32(j / n), 0.0))
+        rows.append((n, 1.0, 1.0))
+    tied = torch.full((len(rows), vocab), -1e4)
+    for b, (n, _, _) in enumerate(rows):
+        tied[b, r.py.sample(range(vocab), n)] = 0.0
+    T = torch.ones(len(rows))
+    k = torch.zeros(len(rows), dtype=torch.int64)
+    p, mp = torch.tensor([row[1] for row in rows]), torch.tensor([row[2] for row in rows])
+    with explain_crash(CRASHES):
+        out = m.warp_logits(tied.clone(), T, k, p, mp)
+    assert_warp(out, tied, T, k, p, mp, r, "warp_logits（n 个并列最大值，top_p = j/n、min_p = 1 恰在边界上）", ties=True)
+
 
 @point("temperature=0 的行取 argmax（并列取第一个），不受 top-k/top-p/seed 影响")
 def test_greedy_rows_take_argmax():
@@ -372,16 +405,20 @@ def test_seeded_tokens_follow_the_contract():
     for step in range(3):
         logits = r.randn(rows, vocab, scale=2.0)
         want = expected_tokens(logits, params, mirror)
+        fresh = expected_tokens(logits, params, [torch.Generator().manual_seed(s) if s is not None else None
+                                                 for s in seeds])        # a generator re-created this step
         with explain_crash(CRASHES):
             tokens = sampler(logits.clone(), params, gens)
         _check_tokens(tokens, rows, "Sampler")
-        for b, w in enumerate(want):
-            if w is not None and int(tokens[b]) != w:
-                sp = params[b]
-                raise AssertionError(f"第 {step} 步第 {b} 行（seed={sp.seed}, temperature={sp.temperature}, "
-                                     f"top_k={sp.top_k}, top_p={sp.top_p}, min_p={sp.min_p}）得到 token "
-                                     f"{int(tokens[b])}，按约定应为 {w}："
-                                     f"{GREEDY if sp.temperature == 0 else CONTRACT}；{r}")
+        wrong = [b for b, w in enumerate(want) if w is not None and int(tokens[b]) != w]
+        if wrong:
+            b, sp = wrong[0], params[wrong[0]]
+            regen = step > 0 and all(int(tokens[i]) == fresh[i] for i, w in enumerate(want) if w is not None)
+            raise AssertionError(f"第 {step} 步第 {b} 行（seed={sp.seed}, temperature={sp.temperature}, "
+                                 f"top_k={sp.top_k}, top_p={sp.top_p}, min_p={sp.min_p}）得到 token "
+                                 f"{int(tokens[b])}，按约定应为 {want[b]}（同一个 generator 从第 0 步一直用下来）："
+                                 f"{GREEDY if sp.temperature == 0 else CONTRACT}"
+                                 f"{MISTAKE_HINT + REGEN if regen else ''}；{r}")
 
 
 @point("同一个 seed：单独跑、混在不同的 batch 里、重跑一次，token 都相同")

@@ -31,6 +31,12 @@ NOT_TAKEN_BACK = "命中空闲的缓存块时忘了把它从 free list 取回：
 PAST_MISS = "命中计数越过了第一次 miss：num_cached_tokens 只算开头连续命中的块，第一次 miss 之后全部重新分配"
 UNCOMPUTED = ("把还没算出 KV 的块留在了缓存里：分块 prefill 中途被抢占时，超出 num_cached_tokens 的块从没写过 KV，"
               "deallocate 要立刻驱逐它们，不能留作命中")
+HEAD_FREE = ("释放的块放到了 free list 的头部（appendleft）：刚释放、还是缓存的块最先被拿去复用、立刻被驱逐；"
+             "应 append 到尾部，最久没用的先被驱逐")
+CAN_APPEND = "can_append = num_free_blocks >= (新 token 开启了新块 ? 1 : 0)：只有开启新块时才需要一个空闲块"
+REREGISTERED = ("驱逐时没有核对登记是否还指向这个块：同样内容后来由另一个块重新登记过，hash_to_block_id[h] 已指向新块，"
+                "删掉它就丢了一个仍然有效的缓存条目（_uncache_block 只在 hash_to_block_id.get(h) == block_id 时删）")
+NO_COPY = "Sequence 没有复制调用者的 token 列表：append_token 改动了调用者的列表（self.token_ids = list(token_ids)）"
 OFF_BY_ONE = "may_append 的块边界差一：新块应在新 token 是某块第一个 token 时分配（len(seq) % block_size == 1），块刚写满（% == 0）时只登记哈希"
 
 CRASHES = {
@@ -102,7 +108,7 @@ def _check_accounting(bm, live: list, what: str, r: Rand | None = None) -> None:
     for s in live:
         if len(s.block_table) != s.num_blocks:
             _fail(f"{what}：序列有 {len(s)} 个 token，应持有 {s.num_blocks} 个块，block_table 却有 "
-                  f"{len(s.block_table)} 个：{s.block_table}", r, OFF_BY_ONE)
+                  f"{len(s.block_table)} 个：{s.block_table}", r)
         for b in s.block_table:
             holders[b] += 1
     for b, block in enumerate(bm.blocks):
@@ -226,18 +232,32 @@ def _grow(m, bm, seq, token: int, content: dict, what: str, r: Rand | None = Non
         can = bm.can_append(seq)
     if can != (bm.num_free_blocks >= opens):
         _fail(f"{what}：序列长度变为 {len(seq)}（block_size={bs}）时 can_append 返回 {can}，空闲块 {bm.num_free_blocks}，"
-              f"{'新 token 开启了一个新块' if opens else '新 token 还在最后一块里'}", r, OFF_BY_ONE)
+              f"{'新 token 开启了一个新块' if opens else '新 token 还在最后一块里'}；{CAN_APPEND}", r)
     if not can:
         return False
     with _explained():
         bm.may_append(seq)
     if len(seq.block_table) != seq.num_blocks:
+        early = len(seq.block_table) == seq.num_blocks + 1 and len(seq) % bs == 0      # a block one token early
+        late = len(seq.block_table) == seq.num_blocks - 1 and opens and len(seq) > 1  # ... or one token late
         _fail(f"{what}：may_append 之后序列有 {len(seq)} 个 token（block_size={bs}），应持有 {seq.num_blocks} 块，"
-              f"block_table 却有 {len(seq.block_table)} 块", r, OFF_BY_ONE)
+              f"block_table 却有 {len(seq.block_table)} 块", r, OFF_BY_ONE if early or late else None)
     if opens and seq.block_table[-1] not in free_before:
         _fail(f"{what}：新块 {seq.block_table[-1]} 不是从 free list 里取的", r)
     _compute(seq, len(seq), content)                                   # the decode step computes the new token
     return True
+
+
+def _check_free_order(bm, table: list[int], what: str, r: Rand | None = None) -> None:
+    """The blocks of a released sequence (none of them shared) are at the tail of the free list, last block first."""
+    free = list(bm.free_block_ids)
+    tail, head = free[-len(table):], free[:len(table)]
+    if tail != table[::-1]:
+        distinct = len(table) > 1 and len(free) > len(table)      # other free blocks tell the variants apart
+        mistake = (FORWARD_FREE if distinct and tail == table else
+                   HEAD_FREE if distinct and head in (table, table[::-1]) else None)
+        _fail(f"{what}：序列的块是 {table}，释放后 free list 的末尾应是 {table[::-1]}（从最后一块到第一块，"
+              f"append 到尾部），free list 是 {free}", r, mistake)
 
 
 def _release(bm, seq, live: list, what: str, r: Rand | None = None) -> None:
@@ -263,7 +283,13 @@ def test_allocate_append_free():
     bs = r.int(2, 6)
     n_prompt = r.int(1, 3 * bs)
     m, bm = _manager(bs, num_blocks=8 + n_prompt // bs)
-    seq = m.Sequence([r.int(0, 999) for _ in range(n_prompt)])
+    caller = [r.int(0, 999) for _ in range(n_prompt)]
+    seq = m.Sequence(caller)
+    snapshot = list(caller)
+    seq.append_token(r.int(0, 999))
+    if caller != snapshot or len(seq) != n_prompt + 1:
+        _fail(f"Sequence(token_ids) 之后 append_token：调用者的列表从 {snapshot} 变成了 {caller}", r, NO_COPY)
+    seq = m.Sequence(caller)
     content, live = {}, []
     free0 = bm.num_free_blocks
     _admit(m, bm, seq, content, live, f"allocate（{n_prompt} 个 token，block_size={bs}）", r)
@@ -279,28 +305,29 @@ def test_allocate_append_free():
     for step in range(2 * bs + 1):                     # cross at least two block boundaries
         what = f"第 {step + 1} 次追加后（长度 {len(seq) + 1}，block_size={bs}）"
         if not _grow(m, bm, seq, r.int(0, 999), content, what, r):
-            _fail(f"{what}：还有 {bm.num_free_blocks} 个空闲块，can_append 却返回 False", r, OFF_BY_ONE)
+            _fail(f"{what}：还有 {bm.num_free_blocks} 个空闲块，can_append 却返回 False；{CAN_APPEND}", r)
         _check_accounting(bm, live, what, r)
         _check_cache(m, bm, live, what, r)
         if len(seq) % bs and bm.blocks[seq.block_table[-1]].hash != -1:
             _fail(f"{what}：最后一块还没满，却已经有了哈希", r, PARTIAL_CACHED)
 
-    # a full free list: can_append is False exactly when the next token opens a block
+    # a full free list: can_append is False exactly when the next token opens a block. First make sure the
+    # last block has room left, so that every run appends into it with no free block
+    if len(seq) % bs == 0:
+        _grow(m, bm, seq, r.int(0, 999), content, "开启新块（还有空闲块）", r)
     filler = m.Sequence([r.int(0, 999) for _ in range(bm.num_free_blocks * bs)])
     _admit(m, bm, filler, content, live, "用一条序列占满所有空闲块", r)
     while (len(seq)) % bs:                                        # fill the last block
         if not _grow(m, bm, seq, r.int(0, 999), content, "没有空闲块时向最后一块追加", r):
-            _fail(f"没有空闲块，但序列长度 {len(seq)}（block_size={bs}）的新 token 还在最后一块里，can_append 应为 True",
-                  r, OFF_BY_ONE)
+            _fail(f"没有空闲块，但序列长度 {len(seq)}（block_size={bs}）的新 token 还在最后一块里，can_append 应为 True；"
+                  f"{CAN_APPEND}", r)
     if _grow(m, bm, seq, r.int(0, 999), content, "没有空闲块时开启新块", r):
-        _fail("没有空闲块时新 token 需要新块，can_append 应为 False", r, OFF_BY_ONE)
+        _fail(f"没有空闲块时新 token 需要新块，can_append 应为 False；{CAN_APPEND}", r)
 
     table = list(seq.block_table)
     _release(bm, seq, live, "deallocate", r)
     tail = list(bm.free_block_ids)[-len(table):]
-    if tail != table[::-1]:
-        _fail(f"序列的块是 {table}，释放后 free list 的末尾应是 {table[::-1]}，得到 {tail}", r,
-              FORWARD_FREE if tail == table else None)
+    _check_free_order(bm, table, "deallocate", r)
     _release(bm, filler, live, "释放占位序列", r)
     _check_accounting(bm, live, "全部释放之后", r)
     if bm.num_free_blocks != len(bm.blocks) or any(b.ref_count for b in bm.blocks):
@@ -497,6 +524,7 @@ def test_eviction():
     _admit(m, bm, keep, content, live, "序列 K", r)
     table, hashes = list(a.block_table), _chain(m, a.token_ids, bs)
     _release(bm, a, live, "释放 A", r)
+    _check_free_order(bm, table, "释放 A", r)
 
     # take every never-used block, A's partial last block and A's last full block: that one is evicted
     n_take = spare + 2
@@ -506,7 +534,7 @@ def test_eviction():
     if evicted not in filler.block_table:
         took = [x for x in filler.block_table if x in table]
         _fail(f"A 的块 {table} 释放后，free list 应先交出它的最后一块 {table[k]}、再交出 {evicted}；"
-              f"新序列拿到了 A 的 {took}", r, FORWARD_FREE if took and took[0] == table[0] else None)
+              f"新序列拿到了 A 的 {took}", r)
     if bm.hash_to_block_id.get(hashes[k - 1]) == evicted:
         _fail(f"块 {evicted} 已重新分配给新序列，它原来的哈希登记还在", r, STALE_ENTRY)
     kept = [i for i in range(k - 1) if bm.hash_to_block_id.get(hashes[i]) != table[i]]
@@ -533,6 +561,43 @@ def test_eviction():
     if lost:
         _fail(f"A 的第 {lost} 块正被引用，它们的哈希登记不能丢", r)
     _check_accounting(bm, live, "最后", r)
+
+
+@point("重新登记：同样内容先后登记在两个块上，驱逐旧块不删新块的登记")
+def test_reregistered_then_evicted():
+    r = Rand()
+    bs = r.int(2, 5)
+    spare = r.int(1, 3)
+    m, bm = _manager(bs, num_blocks=4 + spare)
+    x, y, z = _blocks_of(r, 3, bs)
+    content, live = {}, []
+    a = m.Sequence(x + y + z[:1])                          # blocks: X0 (x), X1 (y), partial
+    _admit(m, bm, a, content, live, "序列 A", r)
+    old_block, h1 = a.block_table[1], _chain(m, x + y, bs)[1]
+    c = m.Sequence(x + y[:-1])                             # hits X0; its last block (y without its last token) is fresh
+    _admit(m, bm, c, content, live, "序列 C（与 A 共享第 0 块）", r)
+    if not _grow(m, bm, c, y[-1], content, "C 追加 y 的最后一个 token（第 1 块写满）", r):
+        _fail("空闲块足够，can_append 却返回 False", r)
+    new_block = c.block_table[1]
+    if bm.hash_to_block_id.get(h1) != new_block:
+        _fail(f"C 的第 1 块写满后内容与 A 的第 1 块相同，应把 h1 登记到 C 的块 {new_block}（新的登记覆盖旧的），"
+              f"hash_to_block_id[h1] 得到 {bm.hash_to_block_id.get(h1)}", r)
+    _release(bm, a, live, "释放 A", r)                     # X1 (old_block) goes to the free list, still carrying h1
+    filler = m.Sequence([800000 + i for i in range(bm.num_free_blocks * bs)])
+    _admit(m, bm, filler, content, live, f"新序列占满全部空闲块（驱逐 A 的块 {old_block}）", r)
+    if old_block not in filler.block_table:
+        _fail(f"新序列占满了 free list，却没有拿到 A 释放的块 {old_block}：{filler.block_table}", r)
+    if bm.hash_to_block_id.get(h1) != new_block:
+        _fail(f"块 {old_block}（旧的 h1 登记）被驱逐后，hash_to_block_id[h1] 应仍指向 C 的块 {new_block}，得到 "
+              f"{bm.hash_to_block_id.get(h1)}", r, REREGISTERED if h1 not in bm.hash_to_block_id else None)
+    _release(bm, filler, live, "释放占位序列", r)
+    d = m.Sequence(x + y + z[:1])
+    got = _admit(m, bm, d, content, live, "与 A 相同的序列 D", r)
+    if got != 2 * bs or d.block_table[:2] != c.block_table[:2]:
+        _fail(f"D 的前 2 块应命中 C 的块 {c.block_table[:2]}（num_cached_tokens = {2 * bs}），得到 block_table "
+              f"{d.block_table}、num_cached_tokens {got}", r)
+    _check_accounting(bm, live, "重新登记与驱逐之后", r)
+    _check_cache(m, bm, live, "重新登记与驱逐之后", r)
 
 
 @point("关闭 prefix caching（混合模型）：不查、不登记")

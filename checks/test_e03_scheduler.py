@@ -24,6 +24,7 @@ M_PREEMPT_OLDEST = "抢占了最老的请求而不是最新的（running[-1]）"
 M_PREEMPT_LEAK = "抢占时忘了释放块（deallocate）或把 num_cached_tokens 清零：块泄漏，重算时位置也不对"
 M_PREEMPT_BACK = "被抢占的请求应放回 waiting 队首（appendleft），而不是队尾"
 M_PREFILL_FIRST = "先接纳 prefill 再排 decode：预算被 prefill 用光，running 的 decode 被饿死"
+M_DECODE_FREE = "decode 没有从预算里扣掉：每个 decode 也占 max_num_batched_tokens 里的 1 个 token（budget -= 1）"
 M_MAX_SEQS = "没有检查 max_num_seqs：接纳新请求前要看 len(running) < max_num_seqs"
 M_MAX_TOKENS = "max_tokens 差一：第 max_tokens 个 completion token 追加后就要结束（>=，不是 >）"
 M_NO_SLOT = "decode 的新 token 进入新块时没有 can_append → may_append（块不够就抢占）"
@@ -151,9 +152,12 @@ class Harness:
             fail("同一个序列在一个 batch 里出现了两次", rand=r)
         total = sum(q.num_scheduled_tokens for q in batch)
         if total > cfg.max_num_batched_tokens:
+            decodes = [q for q in batch if remaining.get(id(q)) == 1 and q.num_scheduled_tokens == 1]
+            hits_counted = [q for q in batch if q.num_cached_tokens and q.num_scheduled_tokens == q.num_tokens]
+            mistake = (M_DECODE_FREE if decodes and total - len(decodes) <= cfg.max_num_batched_tokens else
+                       M_WHOLE_PROMPT if hits_counted else None)
             fail(f"第 {self.num_steps} 步调度了 {total} 个 token，超过 max_num_batched_tokens={cfg.max_num_batched_tokens}"
-                 f"（{[(self.name(q), q.num_scheduled_tokens) for q in batch]}）",
-                 f"{M_WHOLE_PROMPT}；或 {M_PREFILL_FIRST}", r)
+                 f"（{[(self.name(q), q.num_scheduled_tokens) for q in batch]}）", mistake, r)
         if len(batch) > cfg.max_num_seqs or len(s.running) > cfg.max_num_seqs:
             fail(f"batch 有 {len(batch)} 个序列、running 有 {len(s.running)} 个，超过 max_num_seqs={cfg.max_num_seqs}",
                  M_MAX_SEQS, r)
@@ -192,8 +196,11 @@ class Harness:
         in_batch = {id(q) for q in batch}
         for q in running:
             if remaining[id(q)] == 1 and q.status == RUNNING and id(q) not in in_batch:
+                prefill_ate = (sum(x.num_scheduled_tokens for x in batch) == cfg.max_num_batched_tokens
+                               and all(x.num_scheduled_tokens > 1 or id(x) not in remaining for x in batch))
                 fail(f"第 {self.num_steps} 步 running 里的 decode {self.name(q)} 没被调度"
-                     f"（batch：{[(self.name(x), x.num_scheduled_tokens) for x in batch]}）", M_PREFILL_FIRST, r)
+                     f"（batch：{[(self.name(x), x.num_scheduled_tokens) for x in batch]}）",
+                     M_PREFILL_FIRST if prefill_ate else None, r)
 
         admitted = [q for q in waiting if id(q) in in_batch]
         if admitted != waiting[:len(admitted)]:
@@ -322,8 +329,10 @@ def test_decodes_before_prefill():
     batch, _ = h.step()
     want = [("A", 3, 1), ("B", 2, 1), ("C", 0, budget - 2)]
     if sorted(batch) != sorted(want):
+        mistake = (M_DECODE_FREE if sorted(batch) == sorted([("A", 3, 1), ("B", 2, 1), ("C", 0, budget)]) else
+                   M_PREFILL_FIRST if batch == [("C", 0, budget)] else None)
         fail(f"A、B 各要 decode 1 个 token，长 prompt C 只能拿剩下的 {budget - 2} 个：得到 {batch}，期望 {want}",
-             M_PREFILL_FIRST, r)
+             mistake, r)
     h.run(max_steps=40)
     h.check_tokens()
 

@@ -12,6 +12,7 @@ import torch
 
 from checks import hf_models
 from checks.kit import Rand, assert_close, assert_equal, impl, point
+from checks.sampling_contract import ContractSampler
 
 MODULE = "e04_model_runner"
 
@@ -103,39 +104,64 @@ def _dense_last_logits(model, tokens: list[int]) -> torch.Tensor:
 
 
 class _Capture:
-    """Stands in for the sampler: records the logits it is given and answers greedily."""
+    """Stands in for the sampler: records the logits it is given and answers greedily (or lets `inner` answer)."""
 
-    def __init__(self):
-        self.calls = []
+    def __init__(self, inner=None):
+        self.calls, self.inner = [], inner
 
     def __call__(self, logits, params, generators):
         self.calls.append(logits.clone())
-        return logits.argmax(dim=-1)
+        return logits.argmax(dim=-1) if self.inner is None else self.inner(logits, params, generators)
 
 
-def _drive(m, e02, model, prompts, budget: int, steps: int, block: int = 4):
+def _drive(m, e02, model, prompts, budget: int, steps: int, block: int = 4, chunk: int | None = None,
+           preempt: dict | None = None, sampler=None, params=None, packed: list | None = None):
     """Run prompts through ModelRunner by hand: chunked prefill then decode, both in mixed batches.
 
-    Returns, per sequence, the list of (prefix tokens, logits) at every step where it sampled.
+    budget: first come first served under a token budget; chunk: every sequence computes up to `chunk` tokens
+    every step instead (so several sequences with a computed prefix run chunks side by side: q-lengths != k-lengths).
+    preempt {step: index}: at that step the sequence is preempted by recompute (released, blocks freed,
+    recomputed from token 0). sampler: kept as the runner's sampler (default: a greedy capture).
+    packed collects, per step, the number of sequences that had a computed prefix and computed > 1 token.
+    Returns the runner, the sequences and, per sequence, the list of (prefix tokens, logits) where it sampled.
     """
     runner = m.ModelRunner(model, num_blocks=64, block_size=block, max_num_seqs=8)
-    runner.sampler = capture = _Capture()
+    capture = _Capture(sampler)
+    runner.sampler = capture
     manager = e02.BlockManager(64, block, enable_prefix_caching=False)
     e02.Sequence.block_size = block
-    seqs = [e02.Sequence(p) for p in prompts]
+    seqs = [e02.Sequence(p, params[i] if params else None) for i, p in enumerate(prompts)]
     for s in seqs:
+        s.block_size = block
         manager.allocate(s)
     seen = {s.seq_id: [] for s in seqs}
-    for _ in range(steps):
+    for step in range(steps):
+        if preempt and step in preempt:
+            victim = seqs[preempt[step]]
+            victim.status = e02.SequenceStatus.WAITING
+            runner.release(victim)                       # as the engine does for a preempted hybrid sequence
+            pool = runner.gdn_pool
+            if pool is not None and victim.seq_id in getattr(pool, "slot_of", {}):
+                raise AssertionError("被抢占的序列 release 之后还占着 GDN 槽位：ModelRunner.release 应调 gdn_pool.free，"
+                                     "重新接纳时 states() 才会给它一个清零的槽位\n  看起来像易错点：抢占时没有归还 GDN 槽位"
+                                     "，重算时带着旧的 conv / recurrent 状态")
+            manager.deallocate(victim)
+            victim.num_cached_tokens = 0
+            manager.allocate(victim)
         left, batch = budget, []
         for s in seqs:
             todo = s.num_tokens - s.num_cached_tokens
-            if todo and left:
+            if chunk is not None:
+                s.num_scheduled_tokens = min(todo, chunk)
+                batch.append(s)
+            elif todo and left:
                 s.num_scheduled_tokens = min(todo, left)
                 left -= s.num_scheduled_tokens
                 batch.append(s)
         if not batch:
             break
+        if packed is not None:
+            packed.append(sum(s.num_cached_tokens > 0 and s.num_scheduled_tokens > 1 for s in batch))
         n_before = len(capture.calls)
         tokens = runner.run(batch)
         sampled = [s for s in batch if s.num_cached_tokens + s.num_scheduled_tokens == s.num_tokens]
@@ -156,18 +182,30 @@ def _check_against_dense(family: str) -> None:
     r = Rand()
     model = _tiny_model(family, r)
     dense = copy.deepcopy(model)
+    block = r.choice([2, 4, 8])
     prompts = [r.randint(1, 64, (r.int(2, 11),)).tolist() for _ in range(3)]
-    _, _, seen = _drive(m, e02, model, prompts, budget=r.int(5, 9), steps=14)
+    runs = [("按预算分块", dict(budget=r.int(5, 9), steps=14, block=block))]
+    # every run also packs >= 2 sequences that each have a computed prefix and compute > 1 token in one batch
+    # (q-lengths != k-lengths for several sequences at once), and preempts one of them mid-decode
+    chunk = r.int(2, 3)
+    packed_prompts = [r.randint(1, 64, (r.int(2 * chunk + 1, 4 * chunk),)).tolist() for _ in range(r.int(2, 3))]
+    packed: list = []
+    runs.append(("每条序列每步一个 chunk（同批多条序列带前缀）",
+                 dict(budget=0, steps=10, block=block, chunk=chunk, preempt={6: 0}, packed=packed)))
     total = 0
-    for history in seen.values():
-        for tokens, logits in history:
-            ref = _dense_last_logits(dense, tokens)
-            # hybrids: chunk-by-chunk + recurrent decode vs one chunked pass differ by fp32 rounding that the
-            # random weights amplify to a few 1e-4 (seen over 25 seeds); a lost state is off by O(1)
-            tol = 1e-3 if family.startswith("qwen3_5") else 1e-4
-            assert_close(logits, ref, what=f"{family}：第 {len(tokens)} 个位置的 logits（与整段重算对比）", rand=r,
-                         atol=tol, rtol=tol)
-            total += 1
+    for label, kw in runs:
+        run_prompts = packed_prompts if "chunk" in kw else prompts
+        _, _, seen = _drive(m, e02, copy.deepcopy(dense), run_prompts, **kw)
+        for history in seen.values():
+            for tokens, logits in history:
+                ref = _dense_last_logits(dense, tokens)
+                # hybrids: chunk-by-chunk + recurrent decode vs one chunked pass differ by fp32 rounding that the
+                # random weights amplify to a few 1e-4 (seen over 25 seeds); a lost state is off by O(1)
+                tol = 1e-3 if family.startswith("qwen3_5") else 1e-4
+                assert_close(logits, ref, what=f"{family}（{label}，block_size={block}）：第 {len(tokens)} 个位置的 "
+                             "logits（与整段重算对比）", rand=r, atol=tol, rtol=tol)
+                total += 1
+    assert max(packed) >= 2, f"检查本身的问题：没有排出同批 ≥ 2 条带前缀的 chunk（{packed}）"
     assert total >= 6, f"只比较了 {total} 个位置：调度没有推进"
 
 
@@ -239,6 +277,30 @@ def test_partial_prefill_draws_nothing():
         results.append(out)
     assert results[0] == results[1], (f"同一个 seed、只是 prefill 分块不同，采样结果却不同：{results[0]} vs {results[1]}"
                                       "\n  看起来像易错点：partial prefill 的行也做了采样，消耗了请求自己的随机数")
+
+
+@point("带 seed 的请求：跨步、被抢占重算之后，每个 token 仍按 e01 的约定采样（generator 只建一次）")
+def test_seeded_across_steps_and_preemption():
+    m, e01, e02 = impl(MODULE), impl("e01_sampling"), impl("e02_block_manager")
+    r = Rand()
+    model = _tiny_model(r.choice(["qwen3", "qwen3_5_text"]), r)
+    chunk = r.int(3, 4)
+    n = r.int(2, 3)
+    prompts = [r.randint(1, 64, (r.int(2 * chunk + 1, 3 * chunk),)).tolist() for _ in range(n)]
+    seeds = r.py.sample(range(2**31), n)
+    params = [e01.SamplingParams(temperature=_f32(r.py.uniform(0.9, 1.5)), top_k=r.choice([0, r.int(16, 64)]),
+                                 seed=seeds[i]) for i in range(n)]
+    contract = ContractSampler(e01.Sampler(), "ModelRunner 的采样（带 seed，分块 prefill、decode、抢占重算）", r)
+    victim = r.int(0, n - 1)
+    _drive(m, e02, model, prompts, budget=0, steps=16, block=r.choice([2, 4]), chunk=chunk, preempt={6: victim},
+           sampler=contract, params=params)
+    contract.verify()
+    counts = [len(contract.samples.get(s, [])) for s in seeds]
+    assert min(counts) >= 6, f"检查本身的问题：每条带 seed 的序列应采样 ≥ 6 次（被抢占的前后各几次），得到 {counts}"
+
+
+def _f32(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float32))
 
 
 def _line_events(fn, *args) -> int:

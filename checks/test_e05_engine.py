@@ -6,8 +6,11 @@ one prompt at a time; and the engine's own unconstrained run for the stress test
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
 import tempfile
+import traceback
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,7 @@ import torch
 
 from checks import hf_models
 from checks.kit import Rand, explain_crash, impl, point
+from checks.sampling_contract import ContractSampler
 
 MODULE = "e05_engine"
 BAD_INPUT = {
@@ -23,7 +27,40 @@ BAD_INPUT = {
     "temperature must": "一个坏请求让整批请求都失败：add_request 的 ValueError 应只记在这个请求的输出里",
     "unexpected keyword": "拼错的采样参数名（TypeError）应变成这个请求的 ValueError",
 }
+ENGINE_CRASHES = {
+    "GDN state pool exhausted": ("结束的请求没有 runner.release(seq)：GDN 状态槽位没有归还，"
+                                 "max_num_seqs 个槽位很快用完（step 里每个结束的序列都要 release）"),
+    **BAD_INPUT,
+}
+BLOCK_SIZE = ("Sequence 的 block_size 与引擎的不一致：add_request 创建 Sequence 后要设 seq.block_size = "
+              "self.config.block_size（Sequence.block_size 是类属性，同一进程里别的引擎可能用别的块大小）")
+STREAM_ABORT = ("中途退出 stream 后请求没有 abort：stream 的循环要放进 try/finally，调用者 break（生成器被 close）时"
+                "finally 里 abort 每个还没结束的请求，归还 block 和 GDN 槽位")
+REQUESTS_LEAK = "generate / stream 返回结果后没有把请求从 self.requests 里删掉（pop）：调用越多，表越大（内存泄漏）"
+ABORT_SLOT = "abort 运行中的请求时没有 runner.release(seq)：它的 GDN 状态槽位（和 generator）一直被占着"
+PREEMPT_SLOT = "抢占后没有归还 GDN 状态槽位，重算时带着旧的 conv / recurrent 状态"
 NEW_TOKENS = 32
+
+
+@contextlib.contextmanager
+def _engine(what: str):
+    """explain_crash for engine calls, and an assert without a message (inside an exercise file) turned into a
+    message naming the file, the line and, when recognisable, the broken contract."""
+    try:
+        with explain_crash(ENGINE_CRASHES):
+            yield
+    except AssertionError as exc:
+        if "set seq.block_size" in str(exc):
+            raise AssertionError(f"{what}：{exc}\n  看起来像易错点：{BLOCK_SIZE}") from exc
+        if str(exc):
+            raise
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        line = (frame.line or "").strip()
+        where = "/".join(Path(frame.filename).parts[-2:])
+        msg = f"{what}：{where} 第 {frame.lineno} 行的 assert 失败（没有消息）：{line}"
+        if "block_size" in line:
+            msg += f"\n  看起来像易错点：{BLOCK_SIZE}"
+        raise AssertionError(msg) from exc
 
 
 def _probe() -> None:
@@ -68,7 +105,8 @@ def _run(family: str, r: Rand, **engine_kwargs):
     _probe()
     folder, prompts, refs = _case(family, r.seed)
     llm = m.LLM(str(folder), **engine_kwargs)
-    outs = llm.generate(prompts, _greedy(e01))
+    with _engine(f"{family} 的 generate（{engine_kwargs}）"):
+        outs = llm.generate(prompts, _greedy(e01))
     return llm, prompts, refs, outs, _HF[folder]
 
 
@@ -105,7 +143,8 @@ def test_greedy_matches_hf():
 @point("prefix 共享：命中的 block 数 > 0，输出不变")
 def test_prefix_cache_hits():
     r = Rand()
-    llm, prompts, refs, outs, hf = _run("qwen3", r, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    llm, prompts, refs, outs, hf = _run("qwen3", r, block_size=r.choice([2, 4, 8]), max_num_seqs=r.int(2, 4),
+                                        max_num_batched_tokens=r.int(32, 64))
     _assert_same(outs, refs, prompts, "prefix caching 打开时的输出", r, hf)
     hits = llm.stats["prefix_hit_blocks"]
     assert hits > 0, f"3 条 prompt 共享 12 个 token 的前缀，却没有一个 block 命中 prefix cache（stats={llm.stats}）"
@@ -115,16 +154,17 @@ def test_prefix_cache_hits():
 def test_chunked_prefill():
     r = Rand()
     for family in ("qwen3", "qwen3_5_moe_text"):
-        llm, prompts, refs, outs, hf = _run(family, r, max_num_batched_tokens=8, max_num_seqs=4, block_size=4)
-        _assert_same(outs, refs, prompts, f"{family}：token 预算 8 时的输出", r, hf)
+        llm, prompts, refs, outs, hf = _run(family, r, max_num_batched_tokens=r.int(4, 8), max_num_seqs=4,
+                                            block_size=r.choice([2, 4, 8]))
+        _assert_same(outs, refs, prompts, f"{family}：token 预算 {llm.config.max_num_batched_tokens}、block_size {llm.config.block_size} 时的输出", r, hf)
 
 
 @point("抢占：KV 池很小，发生了抢占（计数 > 0），输出不变，block 全部归还")
 def test_preemption():
     r = Rand()
     for family in ("qwen3", "qwen3_5_moe_text"):
-        llm, prompts, refs, outs, hf = _run(family, r, block_size=4, num_kvcache_blocks=14, max_num_seqs=6,
-                                        max_num_batched_tokens=32)
+        llm, prompts, refs, outs, hf = _run(family, r, block_size=4, num_kvcache_blocks=14, max_num_seqs=r.int(4, 6),
+                                            max_num_batched_tokens=r.int(16, 32))
         try:
             _assert_same(outs, refs, prompts, f"{family}：14 个 KV block 时的输出", r, hf)
         except AssertionError as exc:
@@ -147,9 +187,13 @@ def test_stress():
     params = [e01.SamplingParams(temperature=0.0, max_tokens=r.int(1, 10), ignore_eos=True) if i % 3 else
               e01.SamplingParams(temperature=1.0, top_k=8, seed=i, max_tokens=r.int(1, 10), ignore_eos=True)
               for i in range(len(prompts))]
-    free = m.LLM(model, max_num_seqs=64, num_kvcache_blocks=512, block_size=4).generate(prompts, params)
+    with _engine("压力测试（不受限运行）"):
+        free = m.LLM(model, max_num_seqs=64, num_kvcache_blocks=512, block_size=4).generate(prompts, params)
     tight = m.LLM(model, max_num_seqs=16, num_kvcache_blocks=12, block_size=4, max_num_batched_tokens=24)
-    outs = tight.generate(prompts, params)
+    tight.runner.sampler = contract = ContractSampler(tight.runner.sampler, "压力测试（12 个 KV block，有抢占）", r)
+    with _engine("压力测试（12 个 KV block）"):
+        outs = tight.generate(prompts, params)
+    contract.verify()                          # seeded requests against the contract itself, not only the other run
     for i, (a, b) in enumerate(zip(outs, free)):
         assert a.error is None and a.finished, f"请求 {i} 没有完成：{a}"
         assert a.token_ids == b.token_ids, (f"请求 {i}：小 KV 池（有抢占）与不受限运行的输出不同：{a.token_ids} vs {b.token_ids}；{r}")
@@ -168,13 +212,13 @@ def test_bad_input_is_isolated():
     good = _greedy(e01)
     batch = [prompts[0], [], list(range(1, 70)), [5, 80, 3], prompts[1]]
     params = [good, good, good, good, good]
-    with explain_crash(BAD_INPUT):
+    with _engine("坏输入的 generate"):
         outs = llm.generate(batch, params)
     _assert_same([outs[0], outs[4]], [refs[0], refs[1]], [prompts[0], prompts[1]], "坏请求旁边的正常请求", r)
     for i, needle in ((1, "empty"), (2, "max_model_len"), (3, "vocab")):
         assert outs[i].error and needle in outs[i].error, f"坏请求 {i} 的错误信息应提到 {needle!r}，得到 {outs[i].error!r}"
         assert outs[i].token_ids == [], f"坏请求 {i} 不应产生 token"
-    with explain_crash(BAD_INPUT):
+    with _engine("非法采样参数的 generate"):
         outs = llm.generate([prompts[0], prompts[1], prompts[2]], [dict(temperature=-1.0), good, dict(temprature=0.0)])
     assert outs[0].error and "temperature" in outs[0].error, f"非法 temperature 的错误信息：{outs[0].error!r}"
     assert outs[2].error and "temprature" in outs[2].error, f"拼错的采样参数名应是这个请求自己的错误：{outs[2].error!r}"
@@ -189,23 +233,25 @@ def test_streaming():
     m, e01 = impl(MODULE), impl("e01_sampling")
     r = Rand()
     folder, prompts, refs = _case("qwen3", r.seed)
-    llm = m.LLM(str(folder), max_num_batched_tokens=16, max_num_seqs=8)
+    llm = m.LLM(str(folder), max_num_batched_tokens=r.int(8, 24), max_num_seqs=r.int(3, 8),
+                block_size=r.choice([4, 8, 16]))
     got = {i: [] for i in range(len(prompts))}
     finished, events = set(), 0
     _probe()
-    for index, token, done, error in llm.stream(prompts, _greedy(e01)):
-        assert error is None and index not in finished, f"请求 {index} 结束后又产出了 token"
-        got[index].append(token)
-        events += 1
-        if done:
-            finished.add(index)
+    with _engine("stream"):
+        for index, token, done, error in llm.stream(prompts, _greedy(e01)):
+            assert error is None and index not in finished, f"请求 {index} 结束后又产出了 token"
+            got[index].append(token)
+            events += 1
+            if done:
+                finished.add(index)
     assert finished == set(got), "有请求没有收到 finished 事件"
     assert events == NEW_TOKENS * len(prompts), (f"stream 产出了 {events} 个 token 事件，应为 {NEW_TOKENS * len(prompts)}"
                                                  "\n  看起来像易错点：stream 攒到请求结束才一次性吐出（应在采样出每个 token 的那一步就 yield）")
     _assert_same([type("O", (), {"token_ids": got[i], "error": None}) for i in got], refs, prompts, "stream 的输出", r)
 
 
-@point("文本进出：有 tokenizer 时接受字符串、返回解码后的文本")
+@point("文本进出：有 tokenizer 时接受字符串、返回解码后的文本（特殊 token 不进文本）")
 def test_text_in_text_out():
     m, e01, m06 = impl(MODULE), impl("e01_sampling"), impl("m06_models")
     from course.tiny_tokenizer import byte_tokenizer
@@ -214,10 +260,31 @@ def test_text_in_text_out():
     config = hf_models.tiny_config("qwen3", r, vocab=len(tok), layers=1)
     model = m06.init_dummy_weights(m06.build_model(config), seed=r.seed).eval()
     llm = m.LLM(model, tokenizer=tok)
-    out = llm.generate(["你好，Qwen"], _greedy(e01, 6))[0]
+    with _engine("文本进出"):
+        out = llm.generate(["你好，Qwen"], _greedy(e01, 6))[0]
     assert out.prompt_token_ids == tok.encode("你好，Qwen"), "字符串 prompt 应该用 tokenizer 编码"
     assert len(out.token_ids) == 6 and out.text == tok.decode(out.token_ids, skip_special_tokens=True), \
         f"输出文本应是生成 token 的解码：{out}"
+    # every run: the model is pushed to emit special tokens (<|im_start|>, then eos <|im_end|>)
+    special, eos = tok.convert_tokens_to_ids("<|im_start|>"), tok.eos_token_id
+    plain = model.compute_logits
+    calls = []
+
+    def pushed(hidden):
+        logits = plain(hidden).clone()
+        calls.append(1)
+        logits[:, special if len(calls) % 3 else eos] += 1e4
+        return logits
+
+    model.compute_logits = pushed
+    llm = m.LLM(model, tokenizer=tok)
+    with _engine("文本进出（特殊 token）"):
+        out = llm.generate(["Qwen"], [e01.SamplingParams(temperature=0.0, max_tokens=6)])[0]
+    model.compute_logits = plain
+    if out.text is None or "<|" in out.text or out.text != tok.decode(out.token_ids, skip_special_tokens=True):
+        raise AssertionError(f"生成了特殊 token {out.token_ids}（{special} = <|im_start|>，{eos} = eos <|im_end|>），"
+                             f"文本应按 skip_special_tokens=True 解码、不含它们，得到 {out.text!r}"
+                             "\n  看起来像易错点：解码时没有 skip_special_tokens=True，特殊 token 的字面进了输出文本")
 
 
 @point("卡片例子：6 个 KV block 上的一次 generate（6 步、两次抢占、一个坏请求）")
@@ -230,7 +297,8 @@ def test_card_example():
     llm = m.LLM(cfg, block_size=4, num_kvcache_blocks=6, max_num_seqs=3, max_num_batched_tokens=8, max_model_len=64)
     greedy = [_greedy(e01, n) for n in (5, 4, 3, 3)]
     prompts = [[11, 12, 13, 14, 15], list(range(20, 30)), [], [40, 41, 42]]
-    events = list(llm.stream(prompts, greedy))
+    with _engine("卡片例子的 stream"):
+        events = list(llm.stream(prompts, greedy))
     assert events[0][0] == 2 and events[0][1] is None and "empty" in (events[0][3] or ""), \
         f"空 prompt 应先得到一个带错误的事件，得到 {events[0]}"
     tokens = {i: [t for j, t, _, _ in events[1:] if j == i] for i in (0, 1, 3)}
@@ -239,3 +307,148 @@ def test_card_example():
     assert (stats["steps"], stats["preemptions"], stats["prefix_hit_blocks"]) == (6, 2, 3), \
         f"卡片例子应是 6 步、2 次抢占、3 个命中的 block，得到 {stats}"
     assert stats["free_blocks"] == 6, f"结束后 6 个 block 应全部空闲：{stats}"
+
+
+# ------------------------------------------------------------------------------------ cleanup and boundaries
+
+def _dummy(m06, family: str, r: Rand, vocab: int = 64):
+    config = hf_models.tiny_config(family, r, vocab=vocab, layers=1 if family == "qwen3" else None)
+    return m06.init_dummy_weights(m06.build_model(config), seed=r.seed, std=0.2).eval()
+
+
+def _assert_idle(llm, what: str, r: Rand, slot_mistake: str | None = None) -> None:
+    """Nothing queued, every block free, every GDN slot free, the requests table empty. slot_mistake: what a held
+    GDN slot means at this point (the earlier stages of the check have ruled out the other causes)."""
+    stats = llm.stats
+    if llm.has_unfinished():
+        raise AssertionError(f"{what}：调度器里还有请求（waiting {len(llm.scheduler.waiting)}、running "
+                             f"{len(llm.scheduler.running)}）\n  看起来像易错点：{STREAM_ABORT}；{r}")
+    if stats["free_blocks"] != stats["total_blocks"]:
+        raise AssertionError(f"{what}：还有 {stats['total_blocks'] - stats['free_blocks']} 个 KV block 没有归还"
+                             f"（stats={stats}）；{r}")
+    pool = llm.runner.gdn_pool
+    if pool is not None and pool.slot_of:
+        hint = f"\n  看起来像易错点：{slot_mistake}" if slot_mistake else ""
+        raise AssertionError(f"{what}：GDN 状态池里还有 {len(pool.slot_of)} 个槽位被占着（序列 {sorted(pool.slot_of)}）"
+                             f"{hint}；{r}")
+    if llm.requests:
+        raise AssertionError(f"{what}：self.requests 里还留着 {len(llm.requests)} 个请求 {sorted(llm.requests)}"
+                             f"\n  看起来像易错点：{REQUESTS_LEAK}；{r}")
+
+
+@point("资源回收：多次 generate、中途退出 stream、abort 运行中的请求（混合模型）之后，block、GDN 槽位、requests 全部归还")
+def test_cleanup():
+    m, e01, m06 = impl(MODULE), impl("e01_sampling"), impl("m06_models")
+    r = Rand()
+    _probe()
+    model = _dummy(m06, "qwen3_5_text", r)
+    seqs = r.int(2, 3)
+    kw = dict(block_size=r.choice([2, 4, 8]), max_num_seqs=seqs, max_num_batched_tokens=r.int(seqs + 4, 24),
+              num_kvcache_blocks=256, max_model_len=r.int(48, 96))
+    llm = m.LLM(model, **kw)
+    prompts = [r.randint(0, 64, (r.int(1, 12),)).tolist() for _ in range(2 * seqs + 2)]   # more than the GDN slots
+    for call in range(3):
+        with _engine(f"混合模型、{kw} 的第 {call + 1} 次 generate"):
+            outs = llm.generate(prompts, _greedy(e01, r.int(2, 6)))
+        assert all(o.finished and o.error is None for o in outs), f"第 {call + 1} 次 generate 有请求没完成：{outs}"
+        _assert_idle(llm, f"第 {call + 1} 次 generate 之后", r, ENGINE_CRASHES["GDN state pool exhausted"])
+
+    stream = llm.stream(prompts, _greedy(e01, 8))
+    with _engine("stream"):
+        for _ in range(r.int(seqs + 1, 2 * seqs + 1)):         # some requests are running mid-generation
+            next(stream)
+    stream.close()                                             # what a consumer's `break` does to the generator
+    if llm.has_unfinished() or llm.stats["free_blocks"] != llm.stats["total_blocks"]:
+        raise AssertionError(f"调用者读了几个事件就退出 stream（生成器被 close）之后，请求还在调度器里或 block 没归还"
+                             f"（stats={llm.stats}）\n  看起来像易错点：{STREAM_ABORT}；{r}")
+    # generate has released finished requests above, and the queues are empty: what holds a slot now was aborted
+    _assert_idle(llm, "中途退出 stream 之后（stream 的 finally 对没结束的请求调 abort）", r, ABORT_SLOT)
+
+    ids = [llm.add_request(p, _greedy(e01, 12)) for p in prompts[:seqs]]
+    with _engine("abort 之前的 step"):
+        while not any(s.num_completion_tokens >= 2 for s in llm.scheduler.running):
+            llm.step()
+    victim = next(s for s in llm.scheduler.running if s.num_completion_tokens >= 2)
+    llm.abort(victim.seq_id)
+    if victim.seq_id in llm.runner.gdn_pool.slot_of:
+        raise AssertionError(f"abort 了运行中的请求 {victim.seq_id}，它的 GDN 槽位还在状态池里\n"
+                             f"  看起来像易错点：{ABORT_SLOT}；{r}")
+    with _engine("abort 之后的 step"):
+        while llm.has_unfinished():
+            llm.step()
+    for rid in ids:
+        llm.requests.pop(rid, None)                            # add_request/step: the caller collects the outputs
+    _assert_idle(llm, "abort 一个运行中的请求、其余请求完成之后", r)
+
+
+@point("抢占（混合模型、带 seed 的采样）：被抢占的序列归还 GDN 槽位、从零状态重算，带 seed 的 token 按 e01 的约定")
+def test_preemption_hybrid_seeded():
+    m, e01, m06 = impl(MODULE), impl("e01_sampling"), impl("m06_models")
+    r = Rand()
+    _probe()
+    model = _dummy(m06, "qwen3_5_text", r)
+    bs, n, new = r.choice([2, 4]), 3, 10
+    prompts = [r.randint(0, 64, (r.int(2, 3 * bs),)).tolist() for _ in range(n)]
+    need = [-(-(len(p) + new) // bs) for p in prompts]        # blocks each request ends with
+    pool = max(need) + sum(need) // 3                          # each fits alone, all three never fit together
+    seeds = r.py.sample(range(2**31), n)
+    params = [e01.SamplingParams(temperature=1.0, seed=seeds[i], max_tokens=new, ignore_eos=True) if i % 2 == 0
+              else _greedy(e01, new) for i in range(n)]
+    free = m.LLM(copy.deepcopy(model), block_size=bs, num_kvcache_blocks=256, max_num_seqs=n, max_model_len=128)
+    with _engine("不受限的对照运行"):
+        ref = free.generate(prompts, params)
+    tight = m.LLM(model, block_size=bs, num_kvcache_blocks=pool, max_num_seqs=n, max_model_len=128,
+                  max_num_batched_tokens=r.int(8, 16))
+    tight.runner.sampler = contract = ContractSampler(tight.runner.sampler, f"{pool} 个 KV block 的混合模型", r)
+    ids = [tight.add_request(p, sp) for p, sp in zip(prompts, params)]
+    with _engine(f"{pool} 个 KV block 的混合模型"):
+        while tight.has_unfinished():
+            tight.step()
+            held = [s.seq_id for s in tight.scheduler.waiting if s.seq_id in tight.runner.gdn_pool.slot_of]
+            if held:
+                raise AssertionError(f"step 之后被抢占、回到 waiting 的序列 {held} 还占着 GDN 槽位"
+                                     f"\n  看起来像易错点：{PREEMPT_SLOT}；{r}")
+    assert tight.stats["preemptions"] > 0, f"检查本身的问题：{pool} 个 block 没有逼出抢占（stats={tight.stats}）"
+    contract.verify()
+    for i, rid in enumerate(ids):
+        got, want = tight.requests[rid].completion_token_ids, ref[i].token_ids
+        if got != want:
+            raise AssertionError(f"请求 {i}（{'seed=' + str(seeds[i]) if i % 2 == 0 else 'greedy'}）：有抢占时得到 {got}，"
+                                 f"不受限运行得到 {want}\n  看起来像易错点：{PREEMPT_SLOT}；{r}")
+
+
+@point("边界：prompt 恰好 max_model_len 被拒绝、max_model_len - 1 生成 1 个 token，bool / 非 int 的 token id 被拒绝，调用者的 prompt 列表不被改动，每个 Sequence 用引擎的 block_size")
+def test_boundaries():
+    m, e01, e02, m06 = impl(MODULE), impl("e01_sampling"), impl("e02_block_manager"), impl("m06_models")
+    r = Rand()
+    _probe()
+    model = _dummy(m06, "qwen3", r)
+    limit, bs = r.int(8, 20), r.choice([2, 4, 8])
+    e02.Sequence.block_size = r.choice([b for b in (3, 16, 32) if b != bs])    # another engine's block size
+    llm = m.LLM(model, block_size=bs, max_model_len=limit, num_kvcache_blocks=64)
+    full, one_less = r.randint(0, 64, (limit,)).tolist(), r.randint(0, 64, (limit - 1,)).tolist()
+    batch = [full, one_less, [1, True, 3], [2, 5.0], r.randint(0, 64, (r.int(1, limit - 2),)).tolist()]
+    before = copy.deepcopy(batch)
+    with _engine(f"max_model_len={limit}、block_size={bs} 的 generate"):
+        outs = llm.generate(batch, _greedy(e01, 5))
+    if not (outs[0].error and "max_model_len" in outs[0].error):
+        raise AssertionError(f"prompt 恰好 {limit} = max_model_len 个 token：一个 token 都生成不了，应被拒绝并在错误里"
+                             f"写明 max_model_len；得到 error={outs[0].error!r}、token_ids={outs[0].token_ids}"
+                             f"（len(prompt) >= max_model_len 就拒绝，不是 >）；{r}")
+    if outs[1].error or len(outs[1].token_ids) != 1 or not outs[1].finished:
+        raise AssertionError(f"prompt 有 max_model_len - 1 = {limit - 1} 个 token：应被接受，生成恰好 1 个 token 后因 "
+                             f"max_model_len 结束；得到 error={outs[1].error!r}、token_ids={outs[1].token_ids}；{r}")
+    for i, what in ((2, "bool（True 是 int 的子类）"), (3, "float")):
+        if not outs[i].error or outs[i].token_ids:
+            raise AssertionError(f"prompt {before[i]} 含 {what} 的 token id，应被拒绝（ValueError 记在这个请求的 error 里）；"
+                                 f"得到 error={outs[i].error!r}、token_ids={outs[i].token_ids}；{r}")
+    if batch != before:
+        raise AssertionError(f"generate 改动了调用者传进来的 prompt 列表：之前 {before}，之后 {batch}"
+                             f"（Sequence 要保存自己的副本再往里追加 token）；{r}")
+    with _engine("add_request"):
+        rid = llm.add_request(r.randint(0, 64, (r.int(1, 6),)).tolist(), _greedy(e01, 3))
+    got = llm.requests[rid].block_size
+    llm.abort(rid)
+    if got != bs:
+        raise AssertionError(f"引擎 block_size={bs}，add_request 创建的 Sequence 的 block_size 却是 {got}"
+                             f"\n  看起来像易错点：{BLOCK_SIZE}；{r}")

@@ -108,7 +108,7 @@ class Sequence:
 
     def block(self, i: int) -> list[int]:
         """Token ids of logical block i (the last one may be partial)."""
-        assert 0 <= i < self.num_blocks
+        assert 0 <= i < self.num_blocks, f"block {i} of a sequence with {self.num_blocks} blocks"
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
     def append_token(self, token_id: int) -> None:

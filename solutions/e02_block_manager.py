@@ -108,7 +108,7 @@ class Sequence:
 
     def block(self, i: int) -> list[int]:
         """Token ids of logical block i (the last one may be partial)."""
-        assert 0 <= i < self.num_blocks
+        assert 0 <= i < self.num_blocks, f"block {i} of a sequence with {self.num_blocks} blocks"
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
 
     def append_token(self, token_id: int) -> None:
@@ -230,7 +230,9 @@ class BlockManager:
         fresh, and each fresh FULL block is registered under its chained hash.
         """
         assert not seq.block_table, "allocate() is for a sequence that holds no blocks"
-        assert seq.block_size == self.block_size
+        assert seq.block_size == self.block_size, (
+            f"sequence {seq.seq_id} has block_size {seq.block_size}, the block manager {self.block_size}: "
+            "set seq.block_size when the sequence is created (e05 add_request)")
         hits = self._cached_prefix(seq)
         for block_id in hits:
             block = self.blocks[block_id]

@@ -117,4 +117,8 @@ PLANTS = [
           old="        longest = max(seq.num_tokens, min(seq.num_prompt_tokens + params.max_tokens, self.config.max_model_len))\n",
           new="        longest = seq.num_tokens\n",
           expect="add 只看了 prompt"),
+    Plant("decode_not_charged", "decode 没有从预算里扣掉",
+          old="            batch.append(seq)\n            budget -= 1\n",
+          new="            batch.append(seq)\n",
+          expect="decode 没有从预算里扣掉"),
 ]

@@ -47,4 +47,17 @@ PLANTS = [
           old="        done = [i for i, s in enumerate(seqs) if s.num_cached_tokens + s.num_scheduled_tokens == s.num_tokens]\n",
           new="        done = list(range(len(seqs)))\n",
           expect="partial prefill 的行也做了采样"),
+    Plant("generator_per_step", "每一步都按 seed 重新建 generator",
+          old="                if seqs[i].seq_id not in self.generators:\n"
+              "                    self.generators[seqs[i].seq_id] = make_generator(seqs[i].sampling_params.seed)\n",
+          new="                self.generators[seqs[i].seq_id] = make_generator(seqs[i].sampling_params.seed)\n",
+          expect="generator 被重新建了"),
+    Plant("generator_dropped_on_preemption", "抢占时把 generator 也丢了",
+          old="        if seq.is_finished:\n            self.generators.pop(seq.seq_id, None)\n",
+          new="        self.generators.pop(seq.seq_id, None)\n",
+          expect="generator 被重新建了"),
+    Plant("gdn_slot_not_released", "release 没有归还 GDN 槽位",
+          old="        if self.gdn_pool is not None:\n            self.gdn_pool.free(seq)\n",
+          new="",
+          expect="没有归还 GDN 槽位"),
 ]

@@ -24,4 +24,52 @@ PLANTS = [
           old="                    if seq_id in index:\n                        yield index[seq_id], token, finished, None\n",
           new="                    if seq_id in index and finished:\n                        yield index[seq_id], token, finished, None\n",
           expect="攒到请求结束"),
+    Plant("stream_without_finally", "中途退出 stream 后请求没有 abort",
+          old="""        try:
+            while self.has_unfinished():
+                for seq_id, token, finished in self.step():
+                    if seq_id in index:
+                        yield index[seq_id], token, finished, None
+                        if finished:
+                            self.requests.pop(seq_id, None)
+        finally:                                      # the caller stopped reading: abort what is left
+            for seq_id in index:
+                self.abort(seq_id)
+""",
+          new="""        while self.has_unfinished():
+            for seq_id, token, finished in self.step():
+                if seq_id in index:
+                    yield index[seq_id], token, finished, None
+                    if finished:
+                        self.requests.pop(seq_id, None)
+""",
+          expect="中途退出 stream 后请求没有 abort"),
+    Plant("requests_never_popped", "generate 返回后没有把请求从 requests 里删掉",
+          old="self._output(self.requests.pop(h))",
+          new="self._output(self.requests[h])",
+          expect="没有把请求从 self.requests 里删掉"),
+    Plant("abort_keeps_gdn_slot", "abort 运行中的请求时没有 release",
+          old="        seq.status = SequenceStatus.FINISHED\n        self.runner.release(seq)\n",
+          new="        seq.status = SequenceStatus.FINISHED\n",
+          expect="abort 运行中的请求时没有 runner.release"),
+    Plant("finished_not_released", "结束的请求没有 runner.release",
+          old="            if id(seq) in finished:\n                self.runner.release(seq)\n",
+          new="",
+          expect="结束的请求没有 runner.release"),
+    Plant("prompt_length_off_by_one", "prompt 恰好 max_model_len 时被收下",
+          old="        if len(token_ids) >= self.config.max_model_len:\n",
+          new="        if len(token_ids) > self.config.max_model_len:\n",
+          expect="len(prompt) >= max_model_len 就拒绝"),
+    Plant("bool_token_id_accepted", "bool 的 token id 被当成 0 / 1 收下",
+          old="bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int)",
+          new="bad = [t for t in token_ids if not isinstance(t, int)",
+          expect="True 是 int 的子类"),
+    Plant("no_per_sequence_block_size", "Sequence 没有设引擎的 block_size",
+          old="        seq.block_size = self.config.block_size      # per sequence: several engines may live in one process\n",
+          new="",
+          expect="add_request 创建 Sequence 后要设 seq.block_size"),
+    Plant("special_tokens_in_text", "解码时没有 skip_special_tokens",
+          old="skip_special_tokens=True) if self.tokenizer else None",
+          new="skip_special_tokens=False) if self.tokenizer else None",
+          expect="没有 skip_special_tokens=True"),
 ]
