@@ -22,7 +22,7 @@ MODULE = "g01_gpu_engine"
 NEW_TOKENS = 32
 TIE = 1e-3
 CUDA = torch.cuda.is_available()
-pytestmark = pytest.mark.timeout(600)
+
 needs_cuda = pytest.mark.skipif(not CUDA, reason="需要 GPU")
 CAPTURE = {
     "operation not permitted when stream is capturing": "在 CUDA graph 的 capture 区域里同步了 host（.item() / .tolist() / "
