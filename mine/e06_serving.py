@@ -31,6 +31,7 @@ COMMON = {"model": TEXT, "stream": BOOL, "stream_options": dict, "n": INT, "stop
           "stop_token_ids": list, "ignore_eos": BOOL, "return_token_ids": BOOL}
 FIELDS = {False: {"prompt": (str, list), **COMMON},                                 # /v1/completions
           True: {"messages": list, "max_completion_tokens": INT, **COMMON}}          # /v1/chat/completions
+RETRY_AFTER_S = 1                                    # what a 503 tells the client to wait
 SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos")
 
 
@@ -98,8 +99,8 @@ class Handle:
 class AsyncEngine:
     """Steps the LLM on its own thread while requests come and go; the event loop talks to it by commands only."""
 
-    def __init__(self, llm, max_pending: int = 64, retry_after_s: int = 1):
-        self.llm, self.max_pending, self.retry_after_s = llm, max_pending, retry_after_s
+    def __init__(self, llm, max_pending: int = 64):
+        self.llm, self.max_pending = llm, max_pending
         self.commands: queue.SimpleQueue = queue.SimpleQueue()    # ("add" | "abort", Handle), FIFO
         self.wakeup = threading.Event()
         self.handles: dict[int, Handle] = {}                        # engine thread only
@@ -213,7 +214,7 @@ def error_response(exc: Exception) -> JSONResponse:
     if isinstance(exc, RequestError):
         kind, status, param, headers = "invalid_request_error", exc.status, exc.param, None
     elif isinstance(exc, Overloaded):
-        kind, status, param, headers = "server_overloaded", 503, None, {"Retry-After": "1"}
+        kind, status, param, headers = "server_overloaded", 503, None, {"Retry-After": str(RETRY_AFTER_S)}
     else:
         kind, status, param, headers = "internal_error", 500, None, None
     body = {"error": {"message": str(exc), "type": kind, "param": param, "code": None}}
