@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib.util
 import inspect
 import json
 import time
@@ -17,10 +16,10 @@ import time
 import pytest
 
 from checks.kit import Rand, impl, point
+from course import registry
 
 MODULE = "e06_serving"
-PACKAGES = ("fastapi", "uvicorn", "openai", "httpx")
-MISSING = [name for name in PACKAGES if importlib.util.find_spec(name) is None]
+MISSING = registry.get("e06").missing_packages
 MAX_MODEL_LEN = 1024
 MODEL = "tiny"
 pytestmark = [pytest.mark.timeout(120),
