@@ -160,7 +160,7 @@ def _reply(handle: Handle, item) -> None:
 
 
 async def run_request(engine: AsyncEngine, handle: Handle, req: ParsedRequest) -> AsyncIterator[tuple[str, str | None]]:
-    """(text delta, finish_reason or None) until the request ends; always releases the handle (abort if early)."""
+    """Async generator of (text delta, finish_reason or None) until the request ends; always releases the handle."""
     raise NotImplementedError("e06: 请实现 run_request（见 lessons/e06_serving.md）")
 
 
@@ -194,7 +194,7 @@ def _sse(body: dict) -> str:
 
 
 async def sse_frames(engine: AsyncEngine, handle: Handle, req: ParsedRequest, model: str) -> AsyncIterator[str]:
-    """Server-sent events: a chunk per text delta, the chunk with finish_reason, the usage chunk if asked, [DONE].
+    """Async generator of server-sent events: a chunk per delta, the finish_reason chunk, usage if asked, [DONE].
 
     If the client disconnects, the server cancels this generator; run_request's finally aborts the request.
     """

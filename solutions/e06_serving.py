@@ -264,7 +264,7 @@ class AsyncEngine:
             if kind == "add":
                 try:
                     request_id = self.llm.add_request(handle.prompt_ids, handle.params)
-                except ValueError as exc:
+                except Exception as exc:              # ValueError: a 400; anything else: a 500, the loop lives on
                     _reply(handle, exc)
                     continue
                 handle.request_id = request_id
@@ -286,7 +286,7 @@ def _reply(handle: Handle, item) -> None:
 
 
 async def run_request(engine: AsyncEngine, handle: Handle, req: ParsedRequest) -> AsyncIterator[tuple[str, str | None]]:
-    """(text delta, finish_reason or None) until the request ends; always releases the handle (abort if early)."""
+    """Async generator of (text delta, finish_reason or None) until the request ends; always releases the handle."""
     text = TextStream(engine.llm.tokenizer, req.stop)
     eos = engine.llm.scheduler.config.eos_token_id
     req.token_ids = text.token_ids                    # the completion's tokens, for usage and return_token_ids
@@ -334,7 +334,7 @@ def _sse(body: dict) -> str:
 
 
 async def sse_frames(engine: AsyncEngine, handle: Handle, req: ParsedRequest, model: str) -> AsyncIterator[str]:
-    """Server-sent events: a chunk per text delta, the chunk with finish_reason, the usage chunk if asked, [DONE].
+    """Async generator of server-sent events: a chunk per delta, the finish_reason chunk, usage if asked, [DONE].
 
     If the client disconnects, the server cancels this generator; run_request's finally aborts the request.
     """
