@@ -298,6 +298,7 @@ def test_burst_gets_503():
 BAD = [  # (what, endpoint, body, the field the error must name, the classic mistake when it is accepted)
     ("非法 JSON", "completions", b'{"model": "tiny", "prompt": ', None, None),
     ("body 不是对象", "completions", [1, 2], None, None),
+    ("缺 model", "completions", {"model": None, "prompt": "hi"}, "model", None),
     ("空 prompt", "completions", {"prompt": ""}, "prompt", None),
     ("缺 prompt", "completions", {}, "prompt", None),
     ("超长 prompt", "completions", {"prompt": "a" * MAX_MODEL_LEN}, "prompt", None),

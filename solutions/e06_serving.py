@@ -75,8 +75,10 @@ def parse_request(body: object, chat: bool, tokenizer, model_name: str, max_mode
         ok = isinstance(value, bool) if kind is BOOL else isinstance(value, kind) and not isinstance(value, bool)
         if value is not None and not ok:
             raise RequestError(f"{name} has the wrong type ({type(value).__name__})", name)
-    if body.get("model") != model_name:
-        raise RequestError(f"the model {body.get('model')!r} does not exist; this server has {model_name!r}",
+    if body.get("model") is None:
+        raise RequestError("model is required", "model")
+    if body["model"] != model_name:
+        raise RequestError(f"the model {body['model']!r} does not exist; this server has {model_name!r}",
                            "model", status=404)
     key = "messages" if chat else "prompt"
     prompt = body.get(key)
