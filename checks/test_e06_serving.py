@@ -39,7 +39,7 @@ def _probe() -> None:
     """Call every task once in-process (no HTTP) so that a stub reports 未实现 instead of hanging a client."""
     if _PROBED:
         return
-    m, e01 = impl(MODULE), impl("e01_sampling")
+    m = impl(MODULE)
     llm = _e05_llm(max_num_seqs=2, num_kvcache_blocks=16)
     m.parse_request({"model": "x", "prompt": [1, 2]}, False, llm.tokenizer, "x", 64)
     m.TextStream(llm.tokenizer, []).push(40, True)
