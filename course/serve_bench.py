@@ -18,8 +18,11 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 from . import select
 from .serve import BackgroundServer, DUMMY_NAME, dummy_llm, missing_packages, serving_selection
@@ -80,11 +83,26 @@ async def _http_run(url: str, model: str, requests: list[tuple[list[int], int]],
             "ttft_p95_s": _pct(ttft, 0.95), "http_503": busy, "errors": errors}
 
 
+def _clients_in_own_process(url: str, model: str, requests: list, clients: int) -> dict:
+    """Run the load generator in a separate Python process: in the server's process it would take the GIL from it."""
+    with tempfile.TemporaryDirectory(prefix="course-bench-") as tmp:
+        job = Path(tmp) / "job.json"
+        job.write_text(json.dumps({"url": url, "model": model, "requests": requests, "clients": clients}))
+        proc = subprocess.run([sys.executable, "-m", "course.serve_bench", str(job)], capture_output=True, text=True,
+                              cwd=select.ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the load generator failed:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def bench_serve(llm, e01, e06, requests: int = 64, clients: int = 32, min_in: int = 16, max_in: int = 64,
                 min_out: int = 16, max_out: int = 64, max_pending: int | None = None, model_name: str = "bench",
-                seed: int = 0) -> dict:
-    """Offline LLM.generate, then the same kind of workload through HTTP with `clients` concurrent streams."""
-    vocab = min(llm.vocab_size, 10000)
+                seed: int = 0, vocab: int | None = None) -> dict:
+    """Offline LLM.generate, then the same kind of workload through HTTP with `clients` concurrent streams.
+
+    Prompt tokens are drawn from [0, vocab) (default min(vocab_size, 10000), as nano-vllm's bench.py).
+    """
+    vocab = vocab or min(llm.vocab_size, 10000)
     llm.generate([[1, 2, 3]], e01.SamplingParams(temperature=0, max_tokens=4))          # warm-up
     offline = workload(requests, vocab, seed, min_in, max_in, min_out, max_out)
     params = [e01.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in offline]
@@ -98,7 +116,7 @@ def bench_serve(llm, e01, e06, requests: int = 64, clients: int = 32, min_in: in
     server = BackgroundServer(e06.build_app(engine, model_name))
     try:
         online = workload(requests, vocab, seed + 1, min_in, max_in, min_out, max_out)
-        result["http"] = asyncio.run(_http_run(server.url, model_name, online, clients))
+        result["http"] = _clients_in_own_process(server.url, model_name, online, clients)
     finally:
         server.stop()
         engine.shutdown()
@@ -135,12 +153,14 @@ def main(argv: list[str], say) -> int:
         import torch
         dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
         llm, name = e05.LLM(args.model, dtype=dtype, **engine_kwargs), args.model
+        vocab = None
     else:
         llm, name = dummy_llm(e05, **engine_kwargs), DUMMY_NAME
+        vocab = 94      # printable ASCII only: greedy repeats the last prompt byte, so every token is a whole character
     say(f"模型 {name}；{args.requests} 个请求，prompt {args.min_in}–{args.max_in} tokens，输出 {args.min_out}–{args.max_out} "
         f"tokens（ignore_eos），HTTP 并发客户端 {args.clients}")
     r = bench_serve(llm, e01, e06, args.requests, args.clients, args.min_in, args.max_in, args.min_out, args.max_out,
-                    args.max_pending, name)
+                    args.max_pending, name, vocab=vocab)
     off, http = r["offline"], r["http"]
     say(f"离线 LLM.generate：{off['tokens']} tokens / {off['seconds']:.2f} s = {off['tok_s']:.0f} tok/s")
     say(f"HTTP（{http['clients']} 个流式客户端）：{http['tokens']} tokens / {http['seconds']:.2f} s = {http['tok_s']:.0f} tok/s"
@@ -149,3 +169,9 @@ def main(argv: list[str], say) -> int:
     for e in http["errors"][:5]:
         say(f"  [red]{e}[/]", markup=False)
     return 0 if not http["errors"] else 1
+
+
+if __name__ == "__main__":          # the load generator's own process (see _clients_in_own_process)
+    job = json.loads(Path(sys.argv[1]).read_text())
+    requests = [(prompt, max_tokens) for prompt, max_tokens in job["requests"]]
+    print(json.dumps(asyncio.run(_http_run(job["url"], job["model"], requests, job["clients"]))))
