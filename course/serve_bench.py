@@ -139,6 +139,8 @@ def main(argv: list[str], say) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--num-kvcache-blocks", type=int, default=512)
     args = parser.parse_args(argv)
+    if not (1 <= args.min_in <= args.max_in and 1 <= args.min_out <= args.max_out and args.clients >= 1):
+        parser.error("need 1 <= --min-in <= --max-in, 1 <= --min-out <= --max-out and --clients >= 1")
     missing = missing_packages(("fastapi", "uvicorn", "httpx"))
     if missing:
         say(f"[red]bench --serve 需要 {', '.join(missing)}：pip install fastapi uvicorn httpx[/]")
