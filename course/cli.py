@@ -113,7 +113,7 @@ def _print_grade(grade: Grade, source: str) -> None:
         if r.get("where"):
             say(f"  位置：{r['where']}", markup=False)
         say(f"  提示：./check.sh hint {ex.id} --level 1    卡片：./check.sh show {ex.id}")
-    elif grade.results and all(r["status"] == "skipped" for r in grade.results):
+    elif grade.all_skipped:
         say(f"\n[cyan]全部跳过：{grade.results[0]['message']}[/]", markup=True)
     elif grade.all_todo:
         say(f"\n还没有实现：打开 {ex.stub.relative_to(ROOT)}，按卡片 lessons/{ex.card.name} 完成 "
@@ -127,7 +127,7 @@ def grade_one(exercise_id: str, solutions: bool) -> int:
     grade = run_checks(ex, selection)
     _print_grade(grade, source)
     n, total = grade.count("passed"), len(grade.results)
-    if not solutions:
+    if not solutions and not grade.all_skipped:
         status = "passed" if grade.passed else ("todo" if grade.all_todo else "failed")
         state.record(ex.id, status, ex.stub, n, total)
     if grade.passed:
