@@ -27,9 +27,16 @@ pytestmark = [pytest.mark.timeout(120),
                                                        "openai httpx（见 pyproject.toml），这台机器上跳过")]
 
 
-def _e05_llm(**kwargs):
+def _e05_llm(family: str = "qwen3", **kwargs):
+    """The dummy Qwen3 of ./check.sh run, or a tiny hybrid (Gated DeltaNet) model; both with the byte tokenizer."""
     from course.serve import dummy_llm
-    return dummy_llm(impl("e05_engine"), max_model_len=MAX_MODEL_LEN, **kwargs)
+    if family == "qwen3":
+        return dummy_llm(impl("e05_engine"), max_model_len=MAX_MODEL_LEN, **kwargs)
+    from checks import hf_models
+    from course.tiny_tokenizer import byte_tokenizer
+    tok = byte_tokenizer()
+    config = hf_models.tiny_config(family, Rand(0), vocab=len(tok), layers=2)     # 512 positions
+    return impl("e05_engine").LLM(config, tokenizer=tok, max_model_len=512, **kwargs)
 
 
 _PROBED = []
@@ -69,11 +76,12 @@ def _probe() -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _server(max_pending: int = 64, max_num_seqs: int = 16):
+def _server(max_pending: int = 64, max_num_seqs: int = 16, family: str = "qwen3"):
     """(base url, AsyncEngine) of a live server; one per configuration per check process."""
     from course.serve import BackgroundServer
     m = impl(MODULE)
-    engine = m.AsyncEngine(_e05_llm(max_num_seqs=max_num_seqs, num_kvcache_blocks=256), max_pending=max_pending)
+    llm = _e05_llm(family, max_num_seqs=max_num_seqs, num_kvcache_blocks=256)
+    engine = m.AsyncEngine(llm, max_pending=max_pending)
     server = BackgroundServer(m.build_app(engine.start(), MODEL))
     return server.url, engine
 
@@ -220,12 +228,14 @@ def test_concurrent_streams():
     assert h["free_blocks"] == h["total_blocks"], f"32 个请求结束后 block 没有全部归还：{h}"
 
 
-@point("8 个客户端中途断开：请求被 abort，block 全部归还")
-def test_disconnect_aborts():
+def _leave(url: str, r: Rand, streams: int, unary: bool, max_tokens: int) -> tuple[dict, dict, int]:
+    """`streams` streaming clients read 2-6 frames and hang up, one non-streaming client gives up after 0.5 s.
+
+    Returns /health before, /health once the engine ran 400 more steps (or went idle), and that step count.
+    """
     import httpx
-    url, r = _live(), Rand()
     before = _wait_idle(url)
-    body = lambda i: {"model": MODEL, "prompt": _text(r, r.int(1, 20)), "max_tokens": 900, "ignore_eos": True,
+    body = lambda i: {"model": MODEL, "prompt": _text(r, r.int(1, 20)), "max_tokens": max_tokens, "ignore_eos": True,
                       "seed": i, "stream": True}
 
     async def leave(client, i):
@@ -238,27 +248,38 @@ def test_disconnect_aborts():
                     break                                   # leaving the block closes the connection
 
     async def leave_unary(client):
-        try:                                                # a non-streaming client that gives up
-            await client.post(url + "/v1/completions", json={**body(99), "stream": False, "max_tokens": 1000},
-                              timeout=0.5)
+        try:
+            await client.post(url + "/v1/completions", json={**body(99), "stream": False}, timeout=0.5)
         except httpx.TimeoutException:
             pass
 
     async def everyone():
         async with httpx.AsyncClient(timeout=30) as client:
-            await asyncio.gather(*(leave(client, i) for i in range(8)), leave_unary(client))
+            await asyncio.gather(*(leave(client, i) for i in range(streams)), *([leave_unary(client)] if unary else []))
 
     asyncio.run(everyone())
     closed = _health(url)["steps"]
     soon = _after_steps(url, closed, 400)          # counted in engine steps, not seconds: a loaded CPU only slows it
-    h = _wait_idle(url, seconds=60)
-    if soon["unfinished"]:
-        mistake = ("非流式请求的客户端断开没有被发现（只有流式响应会被取消，非流式要自己监听 http.disconnect）"
-                   if soon["unfinished"] == 1 else "客户端断开（或提前结束）时没有 abort 引擎里的请求")
-        raise AssertionError(f"9 个客户端断开后引擎又跑了 {soon['steps'] - closed} 步，还有 {soon['unfinished']} 个请求在算："
-                             f"请求没有被 abort，一直算到 max_tokens\n  看起来像易错点：{mistake}")
-    assert h["free_blocks"] == h["total_blocks"] == before["total_blocks"], f"断开的请求留下了没归还的 block：{h}"
-    assert h["pending"] == 0, f"断开的请求仍计在 pending 里：{h}"
+    return before, soon, soon["steps"] - closed
+
+
+@point("8 个客户端中途断开：请求被 abort，block 与 GDN 状态槽位全部归还")
+def test_disconnect_aborts():
+    r = Rand()
+    for family, streams, unary, max_tokens in (("qwen3", 8, True, 900), ("qwen3_5_text", 8, False, 480)):
+        url = _live(family=family)
+        before, soon, steps = _leave(url, r, streams, unary, max_tokens)
+        what = f"{family}：{streams + unary} 个客户端断开后"
+        if soon["unfinished"]:
+            mistake = ("非流式请求的客户端断开没有被发现（只有流式响应会被取消，非流式要自己监听 http.disconnect）"
+                       if soon["unfinished"] == 1 and unary else "客户端断开（或提前结束）时没有 abort 引擎里的请求")
+            raise AssertionError(f"{what}引擎又跑了 {steps} 步，还有 {soon['unfinished']} 个请求在算：请求没有被 abort，"
+                                 f"一直算到 max_tokens\n  看起来像易错点：{mistake}")
+        h = _wait_idle(url)
+        assert h["free_blocks"] == h["total_blocks"] == before["total_blocks"], f"{what}留下了没归还的 block：{h}"
+        assert h["pending"] == 0, f"{what}它们仍计在 pending 里：{h}"
+        assert h.get("gdn_free_slots", 0) == h.get("gdn_slots", 0), f"{what}GDN 状态槽位没有全部归还：{h}"
+    assert "gdn_slots" in h, f"混合模型的 /health 应报告 GDN 槽位（AsyncEngine.stats）：{h}"
 
 
 @point("超过队列上限的突发请求得到 503 + Retry-After，收下的请求全部完成，之后服务照常")

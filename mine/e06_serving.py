@@ -149,7 +149,9 @@ class AsyncEngine:
 
     @property
     def stats(self) -> dict[str, int]:
-        return {**self.llm.stats, "pending": self.pending, "unfinished": len(self.llm.requests)}
+        pool = self.llm.runner.gdn_pool                   # hybrid models: one state slot per running sequence
+        gdn = {} if pool is None else {"gdn_free_slots": len(pool.free_slots), "gdn_slots": self.llm.config.max_num_seqs}
+        return {**self.llm.stats, **gdn, "pending": self.pending, "unfinished": len(self.llm.requests)}
 
 
 def _reply(handle: Handle, item) -> None:
