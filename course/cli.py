@@ -8,6 +8,8 @@
     ./check.sh watch m03            re-grade whenever the file is saved
     ./check.sh reset m03            restore the stub (your file is kept in mine/.backup/)
     ./check.sh run --prompt TEXT    assemble the engine (your passed exercises + references) and generate
+    ./check.sh serve [--model DIR]  the same engine behind an OpenAI-compatible HTTP server (e06)
+    ./check.sh bench --serve        HTTP throughput and time-to-first-token beside the offline engine
     ./check.sh selftest             the project's own test suite
 """
 
@@ -118,6 +120,8 @@ def _print_summary(grade: Grade) -> None:
         if r.get("where"):
             say(f"  位置：{r['where']}", markup=False)
         say(f"  提示：./check.sh hint {ex.id} --level 1    卡片：./check.sh show {ex.id}")
+    elif grade.all_skipped:
+        say(f"\n[cyan]全部跳过：{grade.results[0]['message']}[/]", markup=True)
     elif grade.all_todo:
         say(f"\n还没有实现：打开 {ex.stub.relative_to(ROOT)}，按卡片 lessons/{ex.card.name} 完成 "
                       f"NotImplementedError 处的函数。")
@@ -132,7 +136,7 @@ def grade_one(exercise_id: str, solutions: bool) -> int:
     grade = run_checks(ex, selection, on_event=_progress)
     _print_summary(grade)
     n, total = grade.count("passed"), len(grade.results)
-    if not solutions:
+    if not solutions and not grade.all_skipped:
         status = "passed" if grade.passed else ("todo" if grade.all_todo else "failed")
         state.record(ex.id, status, ex.stub, n, total)
     if grade.passed:
@@ -332,6 +336,12 @@ def main(argv: list[str] | None = None) -> int:
     if command == "run":
         from . import run
         return run.main(argv[1:], say)
+    if command == "serve":
+        from . import serve
+        return serve.main(argv[1:], say)
+    if command == "bench" and "--serve" in argv[1:]:
+        from . import serve_bench
+        return serve_bench.main([a for a in argv[1:] if a != "--serve"], say)
     if command == "bench":
         from . import bench
         return bench.main(argv[1:], say)

@@ -58,6 +58,11 @@ class Grade:
     def all_todo(self) -> bool:
         return self.count("todo") > 0 and all(r["status"] in ("todo", "skipped") for r in self.results)
 
+    @property
+    def all_skipped(self) -> bool:
+        """Nothing could run here (e.g. a package the exercise needs is missing): neither passed nor failed."""
+        return bool(self.results) and all(r["status"] == "skipped" for r in self.results)
+
     def count(self, status: str) -> int:
         return sum(r["status"] == status for r in self.results)
 

@@ -29,6 +29,12 @@ class Exercise:
     minutes: int
     difficulty: str    # 易 / 中 / 难
     needs_gpu: bool = False
+    packages: tuple[str, ...] = ()     # importable modules its checks need beyond check.sh's READY set
+
+    @property
+    def missing_packages(self) -> list[str]:
+        import importlib.util
+        return [p for p in self.packages if importlib.util.find_spec(p) is None]
 
     @property
     def track(self) -> str:
@@ -93,6 +99,8 @@ CATALOGUE: list[Exercise] = [
     Exercise("e03", "scheduler", "Scheduler：continuous batching、chunked prefill 与抢占", 75, "难"),
     Exercise("e04", "model_runner", "Model runner：batch 准备、paged attention 参考实现与 GDN 状态池", 90, "难"),
     Exercise("e05", "engine", "Engine loop：step、generate、streaming", 60, "中"),
+    Exercise("e06", "serving", "Serving：OpenAI 兼容的流式 HTTP 服务、断开即 abort、准入控制", 90, "中",
+             packages=("fastapi", "uvicorn", "httpx", "openai")),
     Exercise("k01", "triton_basics", "Triton：store_kvcache 与 fused add+RMSNorm kernel", 60, "中"),
     Exercise("k02", "paged_attention", "Triton：varlen prefill 与 split-K decode 的 paged attention", 120, "难"),
     Exercise("k03", "fused_moe", "Triton：fused MoE（对齐到 expert block 的 grouped GEMM）", 120, "难"),

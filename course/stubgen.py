@@ -24,7 +24,7 @@ def make_stub(module: str, exercise_id: str, tasks: list[str]) -> tuple[str, int
         for item in node.body:
             if isinstance(item, ast.ClassDef):
                 visit(item, prefix + item.name + ".")
-            elif isinstance(item, ast.FunctionDef) and prefix + item.name in tasks:
+            elif isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and prefix + item.name in tasks:
                 first = item.body[0]
                 has_doc = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
                 start = first.end_lineno if has_doc else first.lineno - 1

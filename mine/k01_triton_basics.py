@@ -21,7 +21,7 @@ add_rms_norm (m01's fused residual protocol and cast order, exactly):
 One program normalises ROWS rows of H: a [ROWS, BLOCK_H] tile (BLOCK_H = next power of two >= H, masked),
 so a per-head q/k norm (H = D = 128) still gives each program enough bytes to move.
 
-Lesson: lessons/k01_triton_basics.md (#13 · 书 §K.1).
+Lesson: lessons/k01_triton_basics.md (#14 · 书 §K.1).
 """
 
 from __future__ import annotations

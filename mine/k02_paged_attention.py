@@ -25,7 +25,7 @@ load of K/V serves G heads) and stores o_s = acc / l and lse_s = m + log(l). The
 (b, h):   w_s = exp(lse_s - max lse);   o = sum_s w_s o_s / sum_s w_s.
 The grid depends only on (B, nKV, num_splits): a CUDA graph can capture it; splits past Lk return early.
 
-Lesson: lessons/k02_paged_attention.md (#14 · 书 §K.2).
+Lesson: lessons/k02_paged_attention.md (#15 · 书 §K.2).
 """
 
 from __future__ import annotations

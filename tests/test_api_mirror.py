@@ -72,11 +72,11 @@ def test_stub_task_bodies_are_only_docstring_and_raise(ex):
 def _functions(tree: ast.Module):
     """(qualified name, node) of every top-level function and method: `forward` of two classes differ."""
     for node in tree.body:
-        if isinstance(node, ast.FunctionDef):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             yield node.name, node
         elif isinstance(node, ast.ClassDef):
             for item in node.body:
-                if isinstance(item, ast.FunctionDef):
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     yield f"{node.name}.{item.name}", item
 
 

@@ -5,7 +5,7 @@ import re
 from course import cards, registry
 from checks.plants import plants_for
 
-DESIGN_IDS = ["m01", "m02", "m03", "m04", "m05", "m06", "m07", "e01", "e02", "e03", "e04", "e05",
+DESIGN_IDS = ["m01", "m02", "m03", "m04", "m05", "m06", "m07", "e01", "e02", "e03", "e04", "e05", "e06",
               "k01", "k02", "k03", "k04", "g01"]
 
 

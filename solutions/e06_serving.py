@@ -1,0 +1,432 @@
+"""E06 · Serving: an OpenAI-compatible HTTP server over the engine loop (FastAPI + uvicorn).
+
+    event loop (asyncio, uvicorn)                         engine thread (the only one that touches the LLM)
+    POST /v1/completions       parse_request ─ 400        commands ─→ llm.add_request / llm.abort
+    POST /v1/chat/completions  engine.add ──── 503 ──────→           llm.step() → (request_id, token, finished)
+    SSE / JSON  ←─ TextStream ←─ handle.events ←── loop.call_soon_threadsafe ─┘
+    client gone → engine.release(handle) → "abort" → blocks and GDN slot back before the next step
+
+Tokens, not text, cross the thread boundary; the HTTP side decodes them (whole characters only) and cuts stop
+strings. Errors follow OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .e01_sampling import SamplingParams
+
+NUMBER, INT, BOOL, TEXT = (int, float), int, bool, str
+COMMON = {"model": TEXT, "stream": BOOL, "stream_options": dict, "n": INT, "stop": (str, list), "user": TEXT,
+          "max_tokens": INT, "temperature": NUMBER, "top_p": NUMBER, "top_k": INT, "min_p": NUMBER, "seed": INT,
+          "stop_token_ids": list, "ignore_eos": BOOL, "return_token_ids": BOOL}
+FIELDS = {False: {"prompt": (str, list), **COMMON},                                 # /v1/completions
+          True: {"messages": list, "max_completion_tokens": INT, **COMMON}}          # /v1/chat/completions
+RETRY_AFTER_S = 1                                    # what a 503 tells the client to wait
+SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos")
+
+
+class RequestError(ValueError):
+    """A bad request: HTTP 400 (404 for an unknown model) with a message naming the field `param`."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
+class Overloaded(RuntimeError):
+    """Too many requests in flight: HTTP 503 with Retry-After."""
+
+
+@dataclass
+class ParsedRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+    chat: bool
+    token_ids: list[int] = field(default_factory=list)    # filled while the request runs
+
+
+def parse_request(body: object, chat: bool, tokenizer, model_name: str, max_model_len: int) -> ParsedRequest:
+    """Check an OpenAI request body field by field; raise RequestError(message, param) at the first bad one.
+
+    Unknown fields, wrong JSON types (bool is not a number), an empty or too long prompt, n != 1 and
+    prompt + max_tokens beyond max_model_len are refused here; the sampling values by SamplingParams.
+    """
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    fields = FIELDS[chat]
+    for name, value in body.items():
+        if name not in fields:
+            raise RequestError(f"unknown field {name!r}", name)
+        kind = fields[name]
+        ok = isinstance(value, bool) if kind is BOOL else isinstance(value, kind) and not isinstance(value, bool)
+        if value is not None and not ok:
+            raise RequestError(f"{name} has the wrong type ({type(value).__name__})", name)
+    if body.get("model") is None:
+        raise RequestError("model is required", "model")
+    if body["model"] != model_name:
+        raise RequestError(f"the model {body['model']!r} does not exist; this server has {model_name!r}",
+                           "model", status=404)
+    key = "messages" if chat else "prompt"
+    prompt = body.get(key)
+    if not prompt:
+        raise RequestError(f"{key} must not be empty", key)
+    if chat:
+        for i, m in enumerate(prompt):
+            if not (isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
+                    and isinstance(m.get("content"), str) and set(m) <= {"role", "content", "name"}):
+                raise RequestError("each message is {'role': system|user|assistant, 'content': str}", f"messages[{i}]")
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise RequestError("this model has no chat template; use /v1/completions", "messages")
+        prompt = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise RequestError("this model has no tokenizer: send the prompt as a list of token ids", key)
+        prompt_ids = list(tokenizer.encode(prompt))
+    elif all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        prompt_ids = list(prompt)
+    else:
+        raise RequestError("prompt is one string or one list of token ids (n = 1: one prompt per request)", key)
+    if len(prompt_ids) >= max_model_len:
+        raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this model's context is {max_model_len}", key)
+    if body.get("n") not in (None, 1):
+        raise RequestError("only n = 1 is supported", "n")
+    options = body.get("stream_options") or {}
+    if options and (not body.get("stream") or set(options) != {"include_usage"}
+                    or not isinstance(options["include_usage"], bool)):
+        raise RequestError("stream_options is {'include_usage': bool}, with stream: true", "stream_options")
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) and s for s in stop):
+        raise RequestError("stop is a non-empty string or a list of them", "stop")
+    sampling = {k: body[k] for k in SAMPLING if body.get(k) is not None}
+    if chat and body.get("max_completion_tokens") is not None:
+        sampling["max_tokens"] = body["max_completion_tokens"]
+    sampling.setdefault("max_tokens", max_model_len - len(prompt_ids))
+    if sampling.get("top_k") == -1:                                    # vLLM's spelling of "off"
+        sampling["top_k"] = 0
+    try:
+        params = SamplingParams(**sampling)
+    except ValueError as exc:                                          # e01's messages start with the field name
+        raise RequestError(str(exc), str(exc).split()[0]) from exc
+    if len(prompt_ids) + params.max_tokens > max_model_len:
+        raise RequestError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) is more than "
+                           f"this model's context ({max_model_len})", "max_tokens")
+    return ParsedRequest(prompt_ids, params, stop, bool(body.get("stream")), bool(options.get("include_usage")),
+                         bool(body.get("return_token_ids")), chat)
+
+
+class TextStream:
+    """Incremental detokenization: token ids in, text deltas out; whole characters only, stop strings cut off."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer, self.stop = tokenizer, stop
+        self.token_ids: list[int] = []
+        self.text = ""                 # the decoded completion so far (ends before a stop string)
+        self.sent = 0                  # characters of self.text already returned
+        self.stopped = False           # a stop string was found: the request is over
+        self.hold = max((len(s) for s in stop), default=1) - 1     # a stop string may still be forming here
+
+    def push(self, token_id: int, finished: bool) -> str:
+        """Add one token; return the text now safe to send (when finished or stopped: everything left)."""
+        self.token_ids.append(token_id)
+        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if cuts:
+            text, self.stopped = text[:min(cuts)], True
+        if finished or self.stopped:
+            end = len(text)
+        else:                          # an unfinished UTF-8 sequence decodes to U+FFFD: wait for its last byte
+            end = len(text.rstrip("\ufffd")) - self.hold
+        delta = text[self.sent:end] if end > self.sent else ""
+        self.text, self.sent = text, max(self.sent, end)
+        return delta
+
+
+@dataclass
+class Handle:
+    """One request as the event loop sees it; the engine thread fills `events` (via call_soon_threadsafe)."""
+    prompt_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    request_id: int = -1
+    finished: bool = False         # the engine sent the last token
+    released: bool = False         # engine.release() ran (exactly once)
+
+
+class AsyncEngine:
+    """Steps the LLM on its own thread while requests come and go; the event loop talks to it by commands only."""
+
+    def __init__(self, llm, max_pending: int = 64):
+        self.llm, self.max_pending = llm, max_pending
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()    # ("add" | "abort", Handle), FIFO
+        self.wakeup = threading.Event()
+        self.handles: dict[int, Handle] = {}                        # engine thread only
+        self.pending = 0                                            # event loop only: admitted, not released
+        self.running = True
+        self.thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+
+    def start(self) -> AsyncEngine:
+        self.thread.start()
+        return self
+
+    def shutdown(self) -> None:
+        self.running = False
+        self.wakeup.set()
+        self.thread.join(timeout=10)
+
+    async def add(self, prompt_ids: list[int], params: SamplingParams) -> Handle:
+        """Admit a request (Overloaded beyond max_pending), queue it for the engine thread, await its acceptance."""
+        if self.pending >= self.max_pending:
+            raise Overloaded(f"{self.pending} requests in flight (the bound is {self.max_pending}); retry later")
+        self.pending += 1
+        handle = Handle(prompt_ids, params, asyncio.get_running_loop())
+        self._send("add", handle)
+        try:
+            answer = await handle.events.get()        # the request id, or the engine's ValueError
+        except asyncio.CancelledError:                # the client left before the engine took the request
+            self.release(handle)
+            raise
+        if isinstance(answer, Exception):
+            handle.finished = True
+            self.release(handle)
+            raise RequestError(str(answer), "prompt") if isinstance(answer, ValueError) else answer
+        handle.request_id = answer
+        return handle
+
+    async def tokens(self, handle: Handle) -> AsyncIterator[tuple[int, bool]]:
+        """(token, finished) as the engine samples them."""
+        while not handle.finished:
+            item = await handle.events.get()
+            if isinstance(item, Exception):
+                handle.finished = True
+                raise item
+            handle.finished = item[1]
+            yield item
+
+    def release(self, handle: Handle) -> None:
+        """The HTTP side is done with `handle` (finished, stopped early or the client left): abort if still running."""
+        if handle.released:
+            return
+        handle.released = True
+        self.pending -= 1
+        if not handle.finished:
+            self._send("abort", handle)
+
+    def _send(self, kind: str, handle: Handle) -> None:
+        self.commands.put((kind, handle))
+        self.wakeup.set()
+
+    def _loop(self) -> None:
+        """The engine thread: apply the commands, step, pass each event to its request; sleep while idle."""
+        while self.running:
+            self._apply_commands()
+            if not self.llm.has_unfinished():
+                self.wakeup.wait()
+                self.wakeup.clear()
+                continue
+            try:
+                events = self.llm.step()
+            except Exception as exc:                  # never let one failure stop the loop: fail those in flight
+                for request_id, handle in self.handles.items():
+                    self.llm.abort(request_id)
+                    _reply(handle, RuntimeError(f"engine step failed: {exc!r}"))
+                self.handles.clear()
+                continue
+            for request_id, token, finished in events:
+                handle = self.handles.get(request_id)
+                if handle is None:
+                    continue
+                if finished:
+                    del self.handles[request_id]
+                    self.llm.requests.pop(request_id, None)
+                _reply(handle, (token, finished))
+
+    def _apply_commands(self) -> None:
+        """Everything the event loop sent since the last step, in order: add_request or abort."""
+        while True:
+            try:
+                kind, handle = self.commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                try:
+                    request_id = self.llm.add_request(handle.prompt_ids, handle.params)
+                except Exception as exc:              # ValueError: a 400; anything else: a 500, the loop lives on
+                    _reply(handle, exc)
+                    continue
+                handle.request_id = request_id
+                self.handles[request_id] = handle
+                _reply(handle, request_id)
+            elif self.handles.pop(handle.request_id, None) is not None:
+                self.llm.abort(handle.request_id)     # blocks and GDN slot go back now, before the next step
+
+    @property
+    def stats(self) -> dict[str, int]:
+        pool = self.llm.runner.gdn_pool                   # hybrid models: one state slot per running sequence
+        gdn = {} if pool is None else {"gdn_free_slots": len(pool.free_slots), "gdn_slots": self.llm.config.max_num_seqs}
+        return {**self.llm.stats, **gdn, "pending": self.pending, "unfinished": len(self.llm.requests)}
+
+
+def _reply(handle: Handle, item) -> None:
+    try:
+        handle.loop.call_soon_threadsafe(handle.events.put_nowait, item)
+    except RuntimeError:                              # the event loop is closed: the server is shutting down
+        pass
+
+
+async def run_request(engine: AsyncEngine, handle: Handle, req: ParsedRequest) -> AsyncIterator[tuple[str, str | None]]:
+    """Async generator of (text delta, finish_reason or None) until the request ends; always releases the handle."""
+    text = TextStream(engine.llm.tokenizer, req.stop)
+    eos = engine.llm.scheduler.config.eos_token_id
+    req.token_ids = text.token_ids                    # the completion's tokens, for usage and return_token_ids
+    try:
+        async for token, finished in engine.tokens(handle):
+            delta = text.push(token, finished)
+            if finished or text.stopped:
+                params = handle.params
+                by_token = token in params.stop_token_ids or (token == eos and not params.ignore_eos)
+                yield delta, "stop" if text.stopped or by_token else "length"
+                return
+            if delta:
+                yield delta, None
+    finally:
+        engine.release(handle)
+
+
+def _choice(req: ParsedRequest, text: str, finish: str | None) -> dict:
+    if not req.chat:
+        choice = {"index": 0, "text": text}
+    elif req.stream:
+        choice = {"index": 0, "delta": {"content": text} if text or not finish else {}}
+    else:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+    choice |= {"logprobs": None, "finish_reason": finish}
+    if req.return_token_ids and finish is not None:    # vLLM's extension: the exact completion tokens
+        choice["token_ids"] = list(req.token_ids)
+    return choice
+
+
+def _body(req: ParsedRequest, handle: Handle, model: str, choices: list[dict], usage: bool) -> dict:
+    """The OpenAI envelope around `choices`; usage counts tokens, prompt and completion."""
+    kind = ("chat.completion.chunk" if req.stream else "chat.completion") if req.chat else "text_completion"
+    body = {"id": f"{'chatcmpl' if req.chat else 'cmpl'}-{handle.request_id}", "object": kind,
+            "created": int(time.time()), "model": model, "choices": choices}
+    if usage:
+        n = len(req.token_ids)
+        body["usage"] = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": n,
+                         "total_tokens": len(req.prompt_ids) + n}
+    return body
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+async def sse_frames(engine: AsyncEngine, handle: Handle, req: ParsedRequest, model: str) -> AsyncIterator[str]:
+    """Async generator of server-sent events: a chunk per delta, the finish_reason chunk, usage if asked, [DONE].
+
+    If the client disconnects, the server cancels this generator; run_request's finally aborts the request.
+    """
+    if req.chat:                                      # a chat stream opens with the assistant's role
+        yield _sse(_body(req, handle, model, [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                               "logprobs": None, "finish_reason": None}], False))
+    async for delta, finish in run_request(engine, handle, req):
+        yield _sse(_body(req, handle, model, [_choice(req, delta, finish)], False))
+    if req.include_usage:
+        yield _sse(_body(req, handle, model, [], True))
+    yield "data: [DONE]\n\n"
+
+
+async def complete(engine: AsyncEngine, handle: Handle, req: ParsedRequest, model: str) -> dict:
+    """The non-streaming answer: every delta joined, the finish_reason, usage."""
+    parts, finish = [], None
+    async for delta, finish in run_request(engine, handle, req):
+        parts.append(delta)
+    return _body(req, handle, model, [_choice(req, "".join(parts), finish)], True)
+
+
+def error_response(exc: Exception) -> JSONResponse:
+    """OpenAI's error JSON: 400/404 for a RequestError, 503 + Retry-After when overloaded, else 500."""
+    if isinstance(exc, RequestError):
+        kind, status, param, headers = "invalid_request_error", exc.status, exc.param, None
+    elif isinstance(exc, Overloaded):
+        kind, status, param, headers = "server_overloaded", 503, None, {"Retry-After": str(RETRY_AFTER_S)}
+    else:
+        kind, status, param, headers = "internal_error", 500, None, None
+    body = {"error": {"message": str(exc), "type": kind, "param": param, "code": None}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
+    """The HTTP surface: /v1/completions, /v1/chat/completions, /v1/models, /health."""
+    app = FastAPI(title="course engine (OpenAI-compatible)")
+    max_model_len = engine.llm.config.max_model_len
+
+    async def generate(request: Request, chat: bool):
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return error_response(RequestError(f"invalid JSON: {exc}"))
+        try:
+            req = parse_request(body, chat, engine.llm.tokenizer, model_name, max_model_len)
+            handle = await engine.add(req.prompt_ids, req.params)
+        except (RequestError, Overloaded) as exc:
+            return error_response(exc)
+        if req.stream:
+            return StreamingResponse(sse_frames(engine, handle, req, model_name), media_type="text/event-stream")
+        return await _unless_disconnected(request, complete(engine, handle, req, model_name))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "course",
+                                            "max_model_len": max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        ok = engine.thread.is_alive()
+        return JSONResponse({"status": "ok" if ok else "engine stopped", **engine.stats}, status_code=200 if ok else 503)
+
+    return app
+
+
+async def _unless_disconnected(request: Request, work) -> JSONResponse | None:
+    """Run `work`; if the client hangs up first, cancel it (its finally aborts the request in the engine)."""
+    task = asyncio.ensure_future(work)
+
+    async def gone():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(gone())
+    await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    watcher.cancel()
+    if not task.done():
+        task.cancel()
+        return None
+    try:
+        return JSONResponse(task.result())
+    except Exception as exc:                          # an engine failure: a 500 for this request only
+        return error_response(exc)
