@@ -9,6 +9,7 @@
     ./check.sh reset m03            restore the stub (your file is kept in mine/.backup/)
     ./check.sh run --prompt TEXT    assemble the engine (your passed exercises + references) and generate
     ./check.sh selftest             the project's own test suite
+    ./check.sh book [--open]        build the book: HTML site build/book/site/ and PDF build/book/book.pdf
 """
 
 from __future__ import annotations
@@ -223,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     command = argv[0]
     if command == "selftest":
         return selftest(argv[1:])
+    if command == "book":
+        from . import bookbuild
+        return bookbuild.main(argv[1:])
     if command == "run":
         from . import run
         return run.main(argv[1:], say)

@@ -1,0 +1,55 @@
+"""MkDocs hooks of the book build (course/bookbuild.py): typeset formulas, make <details> render Markdown.
+
+Formulas: pymdownx.arithmatex (generic mode) wraps `$...$` and `$$...$$` in `<span|div class="arithmatex">`;
+on_page_content replaces each with an SVG typeset by ziamath (pure Python, STIX Two Math outlines), so the
+pages need no math JavaScript and render the same in the site and the PDF.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import html
+import re
+
+_DETAILS_OPEN = re.compile(r"<details>(\s*<summary>(.*?)</summary>)", re.S)
+_INLINE = re.compile(r'<span class="arithmatex">\\\((.*?)\\\)</span>', re.S)
+_BLOCK = re.compile(r'<div class="arithmatex">\\\[(.*?)\\\]</div>', re.S)
+_cache: dict[tuple[str, bool], str] = {}
+
+
+def _details(m: re.Match) -> str:
+    """`<details markdown="1">` so the hint's Markdown is rendered; hints L1-L3 get ids hint-l1..l3."""
+    summary = re.sub(r"<[^>]+>", "", m.group(2)).strip()
+    level = re.match(r"L([123])\b", summary)
+    ident = f' id="hint-l{level.group(1)}"' if level else ""
+    return f'<details markdown="1"{ident}>{m.group(1)}'
+
+
+def on_page_markdown(markdown: str, **kwargs) -> str:
+    return _DETAILS_OPEN.sub(_details, markdown)
+
+
+def typeset(tex: str, display: bool) -> str:
+    key = (tex, display)
+    if key not in _cache:
+        import ziamath
+        math = ziamath.Latex(tex, size=17 if display else 15.5, mathstyle="display" if display else "text")
+        svg = math.svg()
+        vb = [float(v) for v in re.search(r'viewBox="([^"]+)"', svg).group(1).split()]
+        below = vb[1] + vb[3]            # the baseline is y = 0 in the viewBox
+        label = html.escape(tex, quote=True)
+        # Unique glyph ids per formula: several SVGs inline in one page must not share <symbol> ids.
+        tag = hashlib.sha1(tex.encode()).hexdigest()[:8]
+        svg = re.sub(r'(id="|href="#)([^"]+)"', lambda g: f'{g.group(1)}{g.group(2)}-{tag}"', svg)
+        svg = svg.replace("<svg ", f'<svg role="img" aria-label="{label}" ', 1)
+        if display:
+            _cache[key] = f'<div class="math math-display">{svg}</div>'
+        else:
+            _cache[key] = (f'<span class="math math-inline" style="vertical-align:{-below:.2f}px">'
+                           f'{svg}</span>')
+    return _cache[key]
+
+
+def on_page_content(content: str, **kwargs) -> str:
+    content = _BLOCK.sub(lambda m: typeset(html.unescape(m.group(1)).strip(), True), content)
+    return _INLINE.sub(lambda m: typeset(html.unescape(m.group(1)).strip(), False), content)
