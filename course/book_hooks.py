@@ -25,8 +25,21 @@ def _details(m: re.Match) -> str:
     return f'<details markdown="1"{ident}>{m.group(1)}'
 
 
-def on_page_markdown(markdown: str, **kwargs) -> str:
-    return _DETAILS_OPEN.sub(_details, markdown)
+_APPENDIX_H = re.compile(r"(`[^`\n]*`)|(?<!\[)附录 H-(\d+)")
+
+
+def _link_appendix_h(markdown: str, src: str) -> str:
+    """Every plain `附录 H-n` (outside inline code) links to that entry of appendix H."""
+    import posixpath
+    target = posixpath.relpath("appendix-h/index.md", posixpath.dirname(src) or ".")
+    return _APPENDIX_H.sub(lambda m: m.group(1) or f"[附录 H-{m.group(2)}]({target}#h-{m.group(2)})", markdown)
+
+
+def on_page_markdown(markdown: str, page=None, **kwargs) -> str:
+    markdown = _DETAILS_OPEN.sub(_details, markdown)
+    if page is not None and not page.file.src_uri.startswith("appendix-h/"):
+        markdown = _link_appendix_h(markdown, page.file.src_uri)
+    return markdown
 
 
 def typeset(tex: str, display: bool) -> str:

@@ -1,7 +1,8 @@
 """`./check.sh book`: build book/ and the lesson cards into an offline HTML site and a paginated PDF.
 
     build/book/src/        the staged Markdown (book/ + lessons/ + generated figures), what MkDocs reads
-    build/book/site/       the static site (MkDocs + Material, offline plugin, Chinese search)
+    build/book/site/       the static site (MkDocs + Material, Chinese search); `./check.sh book --serve`
+                           serves it on 127.0.0.1 (pages also open from file://, search needs the server)
     build/book/book.pdf    the whole book printed by headless Chromium: TOC with page numbers, page footer
 
 Navigation comes from book/SUMMARY.md (every linked .md it lists, in order) followed by the written cards.
@@ -172,6 +173,7 @@ def mkdocs_config(nav: list) -> dict:
         "site_dir": str(SITE),
         "use_directory_urls": False,
         "strict": False,
+        "exclude_docs": "SUMMARY.md\n",
         "nav": nav,
         "theme": {"name": "material", "language": "zh", "font": False,
                   "features": ["navigation.footer", "navigation.indexes", "search.highlight", "content.code.copy"]},
@@ -186,7 +188,6 @@ def mkdocs_config(nav: list) -> dict:
         ],
         "plugins": [
             {"search": {"lang": ["zh", "en"], "separator": r'[\s\-,:!=\[\]()"/]+|(?!\b)(?=[A-Z][a-z])'}},
-            "offline",
             {"print-site": {"add_to_navigation": False, "print_page_title": "全书（打印版）",
                             "add_table_of_contents": True, "toc_title": "目录", "toc_depth": 2,
                             "enumerate_headings": False, "enumerate_figures": False,
@@ -392,6 +393,7 @@ def build(open_browser: bool = False, write: bool = True) -> int:
             cites = new
     if write and (changed := update_cards(cites)):
         print(f"更新了卡片头的页码：{', '.join(changed)}")
+    shutil.copy2(PDF, SITE / "book.pdf")
     from pypdf import PdfReader
     n_pages = len(PdfReader(str(PDF)).pages)
     PAGES.write_text(json.dumps({"pages": n_pages, "chapters": chapters, "nav": nav_pages(nav), "sections": guess,
@@ -405,8 +407,24 @@ def build(open_browser: bool = False, write: bool = True) -> int:
     return 0
 
 
+def serve_forever(open_browser: bool) -> int:
+    with serve() as url:
+        print(f"书在 {url}index.html ，PDF 在 {url}book.pdf（Ctrl-C 结束）")
+        if open_browser:
+            import webbrowser
+            webbrowser.open(url + "index.html")
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            return 0
+
+
 def main(argv: list[str]) -> int:
-    return build(open_browser="--open" in argv)
+    code = build(open_browser="--open" in argv and "--serve" not in argv)
+    if code == 0 and "--serve" in argv:
+        return serve_forever("--open" in argv)
+    return code
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ def moe_dispatch() -> Svg:
 
 
 def gdn_chunks() -> Svg:
-    s = Svg(760, 330, "Gated DeltaNet 的分块结构")
+    s = Svg(760, 336, "Gated DeltaNet 的分块结构")
     s.text(380, 22, "序列按 C 个 token 分块：块内并行（WY 形式，矩阵乘），块间递推（状态 S 只传 T/C 次）", size=12,
            weight="bold")
     xs = [30, 270, 510]
@@ -47,16 +47,17 @@ def gdn_chunks() -> Svg:
         s.text(x + 110, 60, f"chunk {i}（token {i}C … {i + 1}C−1）", size=12, weight="bold")
         for j in range(6):
             s.box(x + 12 + j * 33, 72, 28, 24, f"t{j}", fill=C["free"], size=10, mono=True)
-        s.box(x + 12, 108, 196, 28, "A = (I + tril(β·KKᵀ⊙Γ))⁻¹", fill=C["free"], size=11, mono=True)
-        s.box(x + 12, 142, 196, 28, "W = A·(β·K·γ)，U = A·(β·V)", fill=C["free"], size=11, mono=True)
-        s.box(x + 12, 176, 196, 34, "O = Q·S·γ + (QKᵀ⊙Γ)·(U − W·S)\nS' = γ_C·S + Kᵀ(…)·(U − W·S)",
+        s.box(x + 12, 104, 196, 30, "解 (I + L)·[U_local, W] =\n[β⊙V, β⊙e^γ⊙K]", fill=C["free"], size=10, mono=True)
+        s.box(x + 12, 140, 196, 30, "U = U_local − W·S", fill=C["free"], size=11, mono=True)
+        s.box(x + 12, 176, 196, 34, "O = (Q⊙e^γ)·S + ((QKᵀ)⊙D)·U\nS ← e^γc·S + (K⊙e^(γc−γ))ᵀ·U",
               fill=C["free"], size=10, mono=True)
         s.box(x + 60, 250, 100, 34, f"S_{i + 1} [dk, dv]", fill=C["hot"], size=12, mono=True)
         s.arrow(x + 110, 220, x + 110, 248)
         if i:
             s.line([(xs[i - 1] + 160, 267), (x - 20, 267), (x - 20, 190), (x + 10, 190)])
-    s.text(380, 310, "decode：C = 1 的递推 S_t = e^{g_t}·S_{t−1} + β_t·k_t(v_t − (e^{g_t}S_{t−1})ᵀk_t)ᵀ；"
-           "prefill：分块形式，结果相同", size=11, color="#444")
+    s.text(380, 304, "第一行与 S 无关：所有块可以同时解（WY 形式）；后两行依次把块首状态 S 传给下一块", size=11,
+           color="#444")
+    s.text(380, 322, "decode 是 c = 1 的特例（单步递推）；prefill 用分块形式，数学上结果相同", size=11, color="#444")
     return s
 
 
