@@ -11,6 +11,8 @@ import hashlib
 import html
 import re
 
+from mkdocs.plugins import event_priority
+
 _DETAILS_OPEN = re.compile(r"<details>(\s*<summary>(.*?)</summary>)", re.S)
 _INLINE = re.compile(r'<span class="arithmatex">\\\((.*?)\\\)</span>', re.S)
 _BLOCK = re.compile(r'<div class="arithmatex">\\\[(.*?)\\\]</div>', re.S)
@@ -18,11 +20,12 @@ _cache: dict[tuple[str, bool], str] = {}
 
 
 def _details(m: re.Match) -> str:
-    """`<details markdown="1">` so the hint's Markdown is rendered; hints L1-L3 get ids hint-l1..l3."""
+    """`<details markdown="1">` so the hint's Markdown is rendered. Hints L1-L3 get anchors hint-l1..l3 (on an
+    empty <sup>: the print page rewrites the ids of headings, sup and li only, so links to it stay valid)."""
     summary = re.sub(r"<[^>]+>", "", m.group(2)).strip()
     level = re.match(r"L([123])\b", summary)
-    ident = f' id="hint-l{level.group(1)}"' if level else ""
-    return f'<details markdown="1"{ident}>{m.group(1)}'
+    anchor = f'<sup id="hint-l{level.group(1)}"></sup>\n' if level else ""
+    return f'{anchor}<details markdown="1">{m.group(1)}'
 
 
 _APPENDIX_H = re.compile(r"(`[^`\n]*`)|(?<!\[)附录 H-(\d+)")
@@ -35,6 +38,7 @@ def _link_appendix_h(markdown: str, src: str) -> str:
     return _APPENDIX_H.sub(lambda m: m.group(1) or f"[附录 H-{m.group(2)}]({target}#h-{m.group(2)})", markdown)
 
 
+@event_priority(100)      # before the print-site plugin copies the page
 def on_page_markdown(markdown: str, page=None, **kwargs) -> str:
     markdown = _DETAILS_OPEN.sub(_details, markdown)
     if page is not None and not page.file.src_uri.startswith("appendix-h/"):
@@ -63,6 +67,7 @@ def typeset(tex: str, display: bool) -> str:
     return _cache[key]
 
 
+@event_priority(100)      # before the print-site plugin copies the page
 def on_page_content(content: str, **kwargs) -> str:
     content = _BLOCK.sub(lambda m: typeset(html.unescape(m.group(1)).strip(), True), content)
     return _INLINE.sub(lambda m: typeset(html.unescape(m.group(1)).strip(), False), content)

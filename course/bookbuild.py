@@ -40,7 +40,7 @@ LESSONS = ROOT / "lessons"
 PRINT_PAGE = "print_page.html"
 
 # Debian packages the build and the browser test need (`.ci/run` installs them).
-APT_PACKAGES = ("chromium", "poppler-utils", "fonts-noto-cjk")
+APT_PACKAGES = ("chromium", "poppler-utils", "fonts-noto-cjk", "fonts-noto-color-emoji")
 PY_MODULES = ("mkdocs", "material", "mkdocs_print_site_plugin", "pymdownx", "ziamath", "jieba", "playwright",
               "pypdf")
 
@@ -248,8 +248,16 @@ def browser():
             b.close()
 
 
-_FOOTER = ('<div style="width:100%;font-size:8px;color:#666;text-align:center;">'
-           '<span class="pageNumber"></span></div>')
+# Page layout of the PDF, added last so it wins over the print-site plugin's @page rules: the chapter title
+# on top, the page number at the bottom (CSS page-margin boxes, Chromium >= 131).
+_PAGE_CSS = """
+@page { size: A4; margin: 18mm 16mm 18mm 16mm;
+  @top-center { content: string(chapter); font-size: 8pt; color: #777; }
+  @bottom-center { content: counter(page); font-size: 9pt; color: #444; }
+  @bottom-right { content: none; } }
+#print-page-toc li a { display: flex; gap: 1em; }
+#print-page-toc .toc-page { margin-left: auto; float: none; }
+"""
 
 # Runs in the print page before printing: open every <details>, tag each chapter start with a named
 # destination the PDF keeps (a link to it), and give each TOC entry a page-number slot.
@@ -271,9 +279,7 @@ _PREPARE = """(pages) => {
 
 
 def _print(page, path: Path) -> None:
-    page.pdf(path=str(path), format="A4", print_background=True, display_header_footer=True,
-             header_template="<span></span>", footer_template=_FOOTER,
-             margin={"top": "18mm", "bottom": "18mm", "left": "16mm", "right": "16mm"})
+    page.pdf(path=str(path), print_background=True, prefer_css_page_size=True)
 
 
 def section_pages(pdf: Path) -> dict[str, int]:
@@ -298,9 +304,9 @@ def add_outline(pdf: Path, chapters: list[dict]) -> None:
         if not c.get("page") or not c["title"]:
             continue
         if c["id"].startswith("section-"):
-            parent = writer.add_outline_item(c["title"], c["page"] - 1)
+            parent = writer.add_outline_item(title=c["title"], page_number=c["page"] - 1)
         else:
-            writer.add_outline_item(c["title"], c["page"] - 1, parent=parent)
+            writer.add_outline_item(title=c["title"], page_number=c["page"] - 1, parent=parent)
     writer.page_mode = "/UseOutlines"
     with open(pdf, "wb") as f:
         writer.write(f)
@@ -314,6 +320,7 @@ def build_pdf(b, guess: dict[str, int] | None) -> tuple[list[dict], dict[str, in
         page = b.new_page()
         page.goto(url + PRINT_PAGE, wait_until="networkidle")
         page.emulate_media(media="print")
+        page.add_style_tag(content=_PAGE_CSS)
         chapters = page.evaluate(_PREPARE, guess)
         for _ in range(3):
             _print(page, PDF)

@@ -114,10 +114,16 @@ def _parse(path: Path) -> _Links:
 
 def test_internal_links_resolve(built):
     site = bookbuild.SITE
-    parsed = {}
+    parsed: dict[Path, _Links] = {}
+
+    def links_of(path: Path) -> _Links:
+        if path not in parsed:
+            parsed[path] = _parse(path)
+        return parsed[path]
+
     broken = []
     for page in site.rglob("*.html"):
-        links = parsed.setdefault(page, _parse(page))
+        links = links_of(page)
         for href in links.hrefs:
             url = urlparse(href)
             if url.scheme or href.startswith(("mailto:", "//")):
@@ -129,7 +135,7 @@ def test_internal_links_resolve(built):
             if not dest.exists():
                 broken.append(f"{page.relative_to(site)} -> {href}")
             elif frag and dest.suffix == ".html":
-                ids = parsed.setdefault(dest, _parse(dest)).ids
+                ids = links_of(dest).ids
                 if unquote(frag) not in ids:
                     broken.append(f"{page.relative_to(site)} -> {href} (no id {frag})")
     assert not broken, f"broken links: {broken[:20]}"
@@ -207,8 +213,8 @@ def test_pdf_has_toc_page_numbers_and_outline(built):
     assert len(reader.pages) == built["pages"] >= 100, len(reader.pages)
     chapters = [c for c in built["chapters"] if c["title"] and c["title"] != "目录"]
     assert all(c["page"] for c in chapters), [c for c in chapters if not c["page"]]
-    toc = _squash(_pdftotext(1, 4))
-    missing = [c["title"] for c in chapters if _squash(c["title"].split("：")[0]) not in toc]
+    toc = _squash(_pdftotext(1, 6))
+    missing = [title for title, _ in built["nav"] if _squash(title) not in toc]
     assert not missing, f"chapters missing from the printed TOC: {missing}"
     outline = [item.title for item in reader.outline for item in (item if isinstance(item, list) else [item])]
     lost = [c["title"] for c in chapters if c["title"] not in outline]
