@@ -20,11 +20,11 @@ _cache: dict[tuple[str, bool], str] = {}
 
 
 def _details(m: re.Match) -> str:
-    """`<details markdown="1">` so the hint's Markdown is rendered. Hints L1-L3 get anchors hint-l1..l3 (on an
-    empty <sup>: the print page rewrites the ids of headings, sup and li only, so links to it stay valid)."""
+    """`<details markdown="1">` so the hint's Markdown is rendered. Hints L1-L3 get anchors hint-l1..l3 (an empty
+    <sup>; on_post_build gives them the page prefix the print page puts on links)."""
     summary = re.sub(r"<[^>]+>", "", m.group(2)).strip()
     level = re.match(r"L([123])\b", summary)
-    anchor = f'<sup id="hint-l{level.group(1)}"></sup>\n' if level else ""
+    anchor = f'<sup id="hint-l{level.group(1)}" class="hint-anchor"></sup>\n' if level else ""
     return f'{anchor}<details markdown="1">{m.group(1)}'
 
 
@@ -71,3 +71,25 @@ def typeset(tex: str, display: bool) -> str:
 def on_page_content(content: str, **kwargs) -> str:
     content = _BLOCK.sub(lambda m: typeset(html.unescape(m.group(1)).strip(), True), content)
     return _INLINE.sub(lambda m: typeset(html.unescape(m.group(1)).strip(), False), content)
+
+
+_SECTION = re.compile(r'<section class="print-page" id="([^"]+)"')
+
+
+@event_priority(-200)     # after the print-site plugin has written the print page
+def on_post_build(config, **kwargs) -> None:
+    """In the print page, prefix the hint anchors with their page's key, as print-site does for headings
+    (it rewrites the links to `#<page>-hint-l1` but only the ids of h1-h6, sup and li that start a tag match)."""
+    from pathlib import Path
+    path = Path(config["site_dir"]) / "print_page.html"
+    if not path.exists():
+        return
+    text = path.read_text(encoding="utf-8")
+    cuts = [(m.start(), m.group(1)) for m in _SECTION.finditer(text)]
+    out, last = [], 0
+    for (start, key), end in zip(cuts, [c[0] for c in cuts[1:]] + [len(text)]):
+        out.append(text[last:start])
+        out.append(text[start:end].replace('<sup id="hint-l', f'<sup id="{key}-hint-l'))
+        last = end
+    out.append(text[last:])
+    path.write_text("".join(out), encoding="utf-8")

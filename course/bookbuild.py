@@ -140,7 +140,9 @@ def stage(cites: dict[str, int], write: bool = True) -> list:
     """Copy book/ and the cards into build/book/src (links rewritten, card headers cite `cites`)."""
     from . import book, figures
     if write:                        # regenerate what is derived in the repo: appendix A, figures
-        book.main()
+        for ex in registry.written():
+            if not book.hint_path(ex).exists() or book.hint_path(ex).read_text(encoding="utf-8") != book.hint_page(ex):
+                book.hint_path(ex).write_text(book.hint_page(ex), encoding="utf-8")
         figures.write_all(BOOK / "figures")
     if SRC.exists():
         shutil.rmtree(SRC)

@@ -129,7 +129,8 @@ def test_internal_links_resolve(built):
             if url.scheme or href.startswith(("mailto:", "//")):
                 continue
             target, frag = urldefrag(href)
-            dest = (page.parent / unquote(target)).resolve() if target else page
+            base = site if target.startswith("/") else page.parent    # root-relative: the server's root
+            dest = (base / unquote(target).lstrip("/")).resolve() if target else page
             if dest.is_dir():
                 dest = dest / "index.html"
             if not dest.exists():
@@ -160,8 +161,12 @@ def test_every_page_renders_offline_in_chromium(built):
                    if not p.name.startswith("404"))
     problems: list[str] = []
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    shots = {"track-m/m01-rmsnorm.html": "chapter-with-formulas", "track-e/e02-block-manager.html":
-             "chapter-with-figures", "lessons/m03_sparse_moe.html": "card", "index.html": "home"}
+    # page -> (screenshot name, element scrolled into view first)
+    shots = {"track-m/m05-gated-deltanet.html": ("chapter-with-formulas", ".math-display"),
+             "prerequisites.html": ("prerequisites-formulas", ".math-display"),
+             "track-e/e02-block-manager.html": ("chapter-with-figures", "img[src$='.svg']"),
+             "overview.html": ("overview-figure", "img[src$='.svg']"),
+             "lessons/m03_sparse_moe.html": ("card", None), "index.html": ("home", None)}
     with bookbuild.serve() as base, bookbuild.browser() as b:
         origin = base.rstrip("/")
         ctx = b.new_context(viewport={"width": 1280, "height": 900})
@@ -192,7 +197,10 @@ def test_every_page_renders_offline_in_chromium(built):
                                         "i.naturalWidth === 0).map(i => i.src)")
             problems.extend(f"{rel}: image not rendered {src}" for src in broken_imgs)
             if rel in shots:
-                page.screenshot(path=str(SCREENSHOTS / f"{shots[rel]}.png"), full_page=False)
+                name, selector = shots[rel]
+                if selector:
+                    page.locator(selector).first.scroll_into_view_if_needed()
+                page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=False)
         ctx.close()
     assert len(pages) >= len(built["nav"]), (len(pages), len(built["nav"]))
     assert not problems, "\n".join(problems[:30])
