@@ -38,9 +38,22 @@ def _link_appendix_h(markdown: str, src: str) -> str:
     return _APPENDIX_H.sub(lambda m: m.group(1) or f"[附录 H-{m.group(2)}]({target}#h-{m.group(2)})", markdown)
 
 
+_CARD_MENTION = re.compile(r"(?<!\[)`lessons/([a-z0-9_]+\.md)`")
+
+
+def _link_cards(markdown: str, src: str) -> str:
+    """A mention of a card, `lessons/m03_sparse_moe.md`, links to the card's page (cards are pages of the site)."""
+    import posixpath
+    base = posixpath.dirname(src) or "."
+    return _CARD_MENTION.sub(lambda m: f"[`lessons/{m.group(1)}`]({posixpath.relpath('lessons/' + m.group(1), base)})",
+                             markdown)
+
+
 @event_priority(100)      # before the print-site plugin copies the page
 def on_page_markdown(markdown: str, page=None, **kwargs) -> str:
     markdown = _DETAILS_OPEN.sub(_details, markdown)
+    if page is not None and not page.file.src_uri.startswith("lessons/"):
+        markdown = _link_cards(markdown, page.file.src_uri)
     if page is not None and not page.file.src_uri.startswith("appendix-h/"):
         markdown = _link_appendix_h(markdown, page.file.src_uri)
     return markdown

@@ -193,6 +193,11 @@ def test_every_page_renders_offline_in_chromium(built):
             for pattern, what in _RAW:
                 if m := pattern.search(text):
                     problems.append(f"{rel}: {what} left unrendered: {text[max(0, m.start() - 30):m.end() + 30]!r}")
+            code = page.evaluate("() => [...document.querySelectorAll('pre, .mermaid')]"
+                                 ".filter(e => !e.querySelector('svg')).map(e => e.innerText).join('\\n')")
+            if m := _RAW[1][0].search(code):
+                problems.append(f"{rel}: Mermaid source shown as text ({m.group(0).strip()!r}); draw figures in "
+                                "course/figures")
             broken_imgs = page.evaluate("() => [...document.images].filter(i => !i.complete || "
                                         "i.naturalWidth === 0).map(i => i.src)")
             problems.extend(f"{rel}: image not rendered {src}" for src in broken_imgs)
