@@ -59,8 +59,13 @@ def on_page_markdown(markdown: str, page=None, **kwargs) -> str:
     return markdown
 
 
+_CJK = re.compile(r"[\u3000-\u9fff\uff00-\uffef]")
+
+
 def typeset(tex: str, display: bool) -> str:
     key = (tex, display)
+    if _CJK.search(tex):        # the math font has no CJK glyphs: they would print as empty boxes
+        raise ValueError(f"公式里不能有中文（数学字体没有中文字形），把说明移到公式外：{tex!r}")
     if key not in _cache:
         import ziamath
         math = ziamath.Latex(tex, size=17 if display else 15.5, mathstyle="display" if display else "text")
