@@ -1,6 +1,7 @@
 """Appendix A of the book is derived from the cards: `python -m course.book` rewrites book/appendix-a/a-N.md.
 
-The card's `<details>` hint blocks are the single source; a selftest checks the appendix is up to date.
+The card's `<details>` hint blocks are the single source. A-N does not copy them: it links to each level in the
+card (the book build gives the blocks the anchors hint-l1..hint-l3). A selftest checks the appendix is current.
 """
 
 from __future__ import annotations
@@ -9,13 +10,17 @@ from . import cards, registry
 
 
 def hint_page(ex: registry.Exercise) -> str:
+    card = f"../../lessons/{ex.card.name}"
     parts = [f"# {ex.hint_ref} · {ex.title} 的三级提示\n",
-             f"> 练习 {ex.id}（{ex.book_section}）。命令行：`./check.sh hint {ex.id} --level 1|2|3`。"
-             f"本页由 `python -m course.book` 从卡片 `lessons/{ex.card.name}` 生成，请改卡片而不是本页。\n"]
+             f"练习 {ex.id}（{ex.book_section}）的三级提示折叠在卡片 [`lessons/{ex.card.name}`]({card}) 的“三级提示”一节里，"
+             f"一级比一级剧透得多；卡住十分钟以上再往下翻一级。命令行里一次只看一级："
+             f"`./check.sh hint {ex.id} --level 1|2|3`。\n"]
     for level in (1, 2, 3):
-        summary, body = cards.hint(ex, level).split("\n", 1)
-        parts.append(f"## {summary.strip('* ')}\n\n{body.strip()}\n")
-    return "\n".join(parts)
+        summary = cards.hint(ex, level).split("\n", 1)[0].strip("* ")
+        parts.append(f"- [{summary}]({card}#hint-l{level})")
+    parts.append(f"\n参考解的逐段讲解见 [附录 {ex.solution_ref}](../appendix-c/c-{ex.number}.md)。\n\n"
+                 f"<!-- 本页由 `python -m course.book` 从卡片生成，请改卡片而不是本页。 -->")
+    return "\n".join(parts) + "\n"
 
 
 def hint_path(ex: registry.Exercise):

@@ -11,6 +11,7 @@
     ./check.sh serve [--model DIR]  the same engine behind an OpenAI-compatible HTTP server (e06)
     ./check.sh bench --serve        HTTP throughput and time-to-first-token beside the offline engine
     ./check.sh selftest             the project's own test suite
+    ./check.sh book [--open]        build the book: HTML site build/book/site/ and PDF build/book/book.pdf
 """
 
 from __future__ import annotations
@@ -333,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if command == "selftest":
         return selftest(argv[1:])
+    if command == "book":
+        from . import bookbuild
+        return bookbuild.main(argv[1:])
     if command == "run":
         from . import run
         return run.main(argv[1:], say)

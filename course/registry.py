@@ -1,4 +1,4 @@
-"""The exercise catalogue (COURSE_DESIGN section 4): one entry per exercise, in course order.
+"""The exercise catalogue: one entry per exercise, in course order.
 
 An exercise is *written* when its four files exist: the card, the stub, the reference and the checks.
 Entries whose files are not there yet are listed by the CLI as coming (即将推出).

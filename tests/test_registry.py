@@ -1,4 +1,4 @@
-"""The exercise registry: the catalogue of COURSE_DESIGN section 4, and the files of written exercises."""
+"""The exercise registry: the catalogue, and the files of written exercises."""
 
 import re
 

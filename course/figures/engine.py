@@ -1,0 +1,117 @@
+"""Figures of Track E and the opening chapter: a request's life, paged KV, scheduler, batching timeline."""
+
+from __future__ import annotations
+
+from .svg import COLORS as C, Svg
+
+
+def request_life() -> Svg:
+    steps = [("tokenize", "chat template\n→ token ids", "e05"), ("schedule", "选进本步 batch\n分配 KV block", "e03 · e02"),
+             ("prepare batch", "input_ids, positions\nslot_mapping, cu_seqlens", "e04"),
+             ("forward", "Qwen3 / MoE / 3.5\n→ logits [B, V]", "m01–m07 · k01–k04"),
+             ("sample", "temperature / top-k\ntop-p / min-p", "e01"),
+             ("postprocess", "追加 token、判停\n释放 block", "e03 · e05"), ("stream", "增量 detokenize\n→ 用户", "e05")]
+    s = Svg(760, 300, "一个请求的一生：从 prompt 到流式输出")
+    w, gap, y = 96, 12, 70
+    for i, (name, what, ex) in enumerate(steps):
+        x = 14 + i * (w + gap)
+        s.box(x, y, w, 40, name, fill=C["gpu"] if name == "forward" else C["kv"], weight="bold", size=12)
+        s.text(x + w / 2, y + 62, what, size=10.5, color="#333")
+        s.text(x + w / 2, y + 110, ex, size=11, weight="bold", color="#a33")
+        if i:
+            s.arrow(x - gap, y + 20, x - 1, y + 20)
+    s.text(380, 34, "引擎的每一步（step）对 batch 里所有请求各走一遍中间五格；prefill 后每步只多一个 token", size=12)
+    # loop back arrow from postprocess to schedule
+    x_post = 14 + 5 * (w + gap) + w / 2
+    x_sched = 14 + 1 * (w + gap) + w / 2
+    s.line([(x_post, y + 130), (x_post, y + 160), (x_sched, y + 160), (x_sched, y + 122)])
+    s.text((x_post + x_sched) / 2, y + 178, "未结束：下一步再调度（decode 一次一个 token）", size=11, color="#444")
+    s.text(380, 286, "红字：实现这一格的练习", size=11, color="#a33")
+    return s
+
+
+def paged_kv() -> Svg:
+    s = Svg(760, 400, "Paged KV cache：block table 与 prefix cache 的 hash 链")
+    s.text(190, 24, "每个序列的 block table（block_size = 4）", size=13, weight="bold")
+    seqs = [("seq A", "The cat sat on the mat .", [7, 2, 9]), ("seq B", "The cat sat on a rug", [7, 5])]
+    for r, (name, _, table) in enumerate(seqs):
+        y = 50 + r * 70
+        s.text(40, y + 22, name, size=12, weight="bold")
+        for j, blk in enumerate(table):
+            s.box(80 + j * 70, y, 60, 34, f"#{blk}", fill=C["kv"], mono=True, size=12)
+            s.text(110 + j * 70, y + 50, f"logical {j}", size=10, color="#555")
+    s.text(190, 196, "block table[i] = 物理 block 号；slot = table[pos // bs]·bs + pos % bs", size=11)
+    # physical pool
+    s.text(560, 24, "KV cache 物理池（GPU 显存）", size=13, weight="bold")
+    ref = {7: 2, 2: 1, 9: 1, 5: 1}
+    for i in range(10):
+        x, y = 410 + (i % 5) * 62, 44 + (i // 5) * 70
+        used = i in ref
+        s.box(x, y, 54, 40, f"#{i}", fill=C["kv"] if used else C["free"], mono=True, size=12, dash=not used)
+        if used:
+            s.text(x + 27, y + 56, f"ref={ref[i]}", size=10, color="#a33" if ref[i] > 1 else "#555")
+    s.text(560, 196, "block #7 被 A、B 共享（ref=2）：共同前缀只存一份", size=11, color="#a33")
+    s.curve(110, 50, 300, 0, 410 + 2 * 62 + 27, 44 + 70 + 2, dash=True)
+    # hash chain
+    s.text(380, 236, "prefix cache：只有写满的 block 才有 hash，hash 链住前面所有 token", size=13, weight="bold")
+    xs = [40, 270, 500]
+    labels = [("tokens 0–3", "h₀ = hash(∅, t₀..t₃)"), ("tokens 4–7", "h₁ = hash(h₀, t₄..t₇)"),
+              ("tokens 8–9（未满）", "无 hash，不可共享")]
+    for i, (tok, h) in enumerate(labels):
+        s.box(xs[i], 256, 200, 34, tok, fill=C["kv"] if i < 2 else C["free"], size=12, dash=i == 2)
+        s.box(xs[i], 304, 200, 34, h, fill=C["hot"] if i < 2 else C["free"], size=12, mono=True, dash=i == 2)
+        s.arrow(xs[i] + 100, 290, xs[i] + 100, 302)
+        if i:
+            s.arrow(xs[i - 1] + 200, 321, xs[i] - 2, 321)
+    s.text(380, 370, "新请求按 block 逐个查 hash → 物理 block；第一个查不到的 block 起重新计算（命中部分跳过 prefill）", size=11)
+    s.text(380, 390, "同样的 4 个 token 出现在不同位置时 hash 不同：hash 链保证“前缀相同”而不只是“这一块相同”", size=11, color="#444")
+    return s
+
+
+def scheduler_states() -> Svg:
+    s = Svg(720, 250, "Scheduler 的状态机")
+    s.box(40, 90, 130, 56, "WAITING\n（waiting 队列）", fill=C["io"], weight="bold", size=12)
+    s.box(300, 90, 130, 56, "RUNNING\n（running 队列）", fill=C["kv"], weight="bold", size=12)
+    s.box(560, 90, 130, 56, "FINISHED", fill=C["mlp"], weight="bold", size=12)
+    s.curve(170, 100, 235, 40, 298, 100)
+    s.text(235, 52, "schedule：block 够 → allocate、prefill", size=11)
+    s.curve(298, 138, 235, 200, 172, 138)
+    s.text(235, 206, "preempt：block 不够 → deallocate，", size=11)
+    s.text(235, 222, "放回 waiting 队首，之后重算（recompute）", size=11)
+    s.arrow(430, 118, 558, 118)
+    s.text(494, 108, "EOS / max_tokens", size=11)
+    s.text(494, 140, "/ stop → 释放 block", size=11)
+    s.curve(330, 90, 365, 20, 400, 90)
+    s.text(365, 22, "每步 decode 一个 token（可能 append 一个 block）", size=11)
+    s.text(360, 244, "chunked prefill：长 prompt 分几步 prefill，每步不超过 max_num_batched_tokens", size=11, color="#444")
+    return s
+
+
+def batching_timeline() -> Svg:
+    s = Svg(760, 280, "Continuous batching 的时间线")
+    steps = 10
+    x0, cw, y0, rh = 110, 60, 50, 40
+    s.text(x0 + steps * cw / 2, 24, "每列是引擎的一步（一次 forward）", size=12, weight="bold")
+    for t in range(steps):
+        s.text(x0 + t * cw + cw / 2, y0 - 8, f"step {t}", size=10, color="#555")
+    reqs = [("req 0", [(0, 1, "P"), (1, 6, "D")], 6), ("req 1", [(0, 1, "P"), (1, 3, "D")], 3),
+            ("req 2", [(3, 5, "P½"), (5, 10, "D")], None), ("req 3", [(6, 7, "P"), (7, 10, "D")], None)]
+    for r, (name, spans, end) in enumerate(reqs):
+        y = y0 + r * rh
+        s.text(x0 - 14, y + 24, name, size=12, anchor="end", weight="bold")
+        for a, b, kind in spans:
+            for t in range(a, b):
+                fill = C["hot"] if kind.startswith("P") else C["kv"]
+                label = kind if kind.startswith("P") else "d"
+                s.box(x0 + t * cw + 3, y + 4, cw - 6, rh - 10, label, fill=fill, size=11)
+        if end:
+            s.text(x0 + end * cw + 8, y + 24, "✓ 结束，block 释放", size=10, anchor="start", color="#2a7")
+    s.text(x0 + 3 * cw, y0 + 4 * rh + 24, "P = prefill（整段 prompt），P½ = chunked prefill 的一块，d = decode 一个 token",
+           size=11)
+    s.text(x0 + 3 * cw, y0 + 4 * rh + 44, "req 1 在 step 3 结束，空出的位置当步就给了新来的 req 2——不用等整个 batch 跑完",
+           size=11, color="#444")
+    return s
+
+
+FIGURES = {"request-life": request_life, "paged-kv": paged_kv, "scheduler-states": scheduler_states,
+           "batching-timeline": batching_timeline}
