@@ -31,7 +31,9 @@ class Grade:
 
     @property
     def passed(self) -> bool:
-        return not self.crash and bool(self.results) and all(r["status"] in ("passed",) for r in self.results)
+        # a GPU-only check skipped on a machine without CUDA does not fail the grade (at least one check must pass)
+        return (not self.crash and any(r["status"] == "passed" for r in self.results)
+                and all(r["status"] in ("passed", "skipped") for r in self.results))
 
     @property
     def all_todo(self) -> bool:

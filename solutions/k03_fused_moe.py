@@ -52,7 +52,7 @@ def _align_kernel(topk_ids_ptr, counts_ptr, sorted_ids_ptr, expert_ids_ptr, num_
         tl.store(num_post_ptr, tl.sum(padded, axis=0))
     for b0 in range(0, num_blocks, BLOCK):                                # blocks start//BM .. end//BM
         blocks = b0 + tl.arange(0, BLOCK)
-        mine = (blocks * BLOCK_M >= start) & (blocks * BLOCK_M < end)
+        mine = (blocks * BLOCK_M >= start) & (blocks * BLOCK_M < end) & (blocks < num_blocks)
         tl.store(expert_ids_ptr + blocks, tl.zeros([BLOCK], dtype=tl.int32) + e, mask=mine)
     written = start
     for p0 in range(0, num_pairs, BLOCK):
@@ -94,7 +94,8 @@ def _gate_up_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, sorted_ids_ptr, expert_ids_ptr
                     num_pairs, top_k, inter, hidden,
                     stride_xn, stride_xh, stride_ge, stride_gi, stride_gh, stride_ue, stride_ui, stride_uh,
                     stride_hm, stride_hi,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                    PRECISION: tl.constexpr):
     """h[p, n] = silu(x[p // k] . Wg[e, n]) * (x[p // k] . Wu[e, n]) for the pairs p of block pid_m."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
@@ -121,8 +122,8 @@ def _gate_up_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, sorted_ids_ptr, expert_ids_ptr
             a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
             g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc_g = tl.dot(a, g.to(a.dtype), acc_g)
-        acc_u = tl.dot(a, u.to(a.dtype), acc_u)
+        acc_g = tl.dot(a, g.to(a.dtype), acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, u.to(a.dtype), acc_u, input_precision=PRECISION)
         a_ptrs += BLOCK_K * stride_xh
         g_ptrs += BLOCK_K * stride_gh
         u_ptrs += BLOCK_K * stride_uh
@@ -135,7 +136,8 @@ def _gate_up_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, sorted_ids_ptr, expert_ids_ptr
 def _down_kernel(h_ptr, wd_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
                  num_pairs, hidden, inter,
                  stride_hm, stride_hi, stride_de, stride_dh, stride_di, stride_ym, stride_yh,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                    PRECISION: tl.constexpr):
     """y[p, n] = w[p] * (h[p] . Wd[e, n]) for the pairs p of block pid_m (w: the pair's routing weight)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_post_ptr):
@@ -158,7 +160,7 @@ def _down_kernel(h_ptr, wd_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, expert_
             k_ok = offs_k < inter - k0
             a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
             d = tl.load(d_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, d.to(a.dtype), acc)
+        acc = tl.dot(a, d.to(a.dtype), acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K * stride_hi
         d_ptrs += BLOCK_K * stride_di
     weight = tl.load(topk_weights_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
@@ -173,20 +175,21 @@ def pick_block_m(num_pairs: int, num_experts: int) -> int:
     return 16 if per_expert <= 12 else 32 if per_expert <= 24 else 64 if per_expert <= 96 else 128
 
 
-def _tiles(block_m: int) -> dict:
-    """BLOCK_N, BLOCK_K and launch options (H200 target; the interpreter ignores num_warps/num_stages)."""
+def _tiles(block_m: int, dtype: torch.dtype) -> dict:
+    """BLOCK_N, BLOCK_K, launch options (H200 target) and the dot precision: fp32 inputs stay IEEE, not TF32."""
+    precision = "ieee" if dtype == torch.float32 else "tf32"      # tf32 is the default; ignored for bf16/fp16
     if block_m <= 32:   # decode: stream the experts' weights, many programs in flight
-        return dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
+        return dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, PRECISION=precision)
     if block_m == 64:
-        return dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
-    return dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+        return dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4, PRECISION=precision)
+    return dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, PRECISION=precision)
 
 
 def gate_up_silu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, sorted_ids: torch.Tensor,
                  expert_ids: torch.Tensor, num_post: torch.Tensor, top_k: int, block_m: int,
                  out: torch.Tensor) -> torch.Tensor:
     """Launch _gate_up_kernel: out [M, I] (row p = pair p) = silu(x Wg^T) * (x Wu^T) per pair; pad rows untouched."""
-    tiles = _tiles(block_m)
+    tiles = _tiles(block_m, x.dtype)
     inter, hidden = w_gate.shape[1], w_gate.shape[2]
     grid = (expert_ids.numel(), triton.cdiv(inter, tiles["BLOCK_N"]))
     _gate_up_kernel[grid](x, w_gate, w_up, out, sorted_ids, expert_ids, num_post,
@@ -200,7 +203,7 @@ def down_weighted(h: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Ten
                   expert_ids: torch.Tensor, num_post: torch.Tensor, block_m: int,
                   out: torch.Tensor) -> torch.Tensor:
     """Launch _down_kernel: out [M, H] (row p = pair p) = w[p] * (h[p] Wd^T); pad rows untouched."""
-    tiles = _tiles(block_m)
+    tiles = _tiles(block_m, h.dtype)
     hidden, inter = w_down.shape[1], w_down.shape[2]
     grid = (expert_ids.numel(), triton.cdiv(hidden, tiles["BLOCK_N"]))
     _down_kernel[grid](h, w_down, out, topk_weights, sorted_ids, expert_ids, num_post,
