@@ -226,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     if command == "run":
         from . import run
         return run.main(argv[1:], say)
+    if command == "bench" and argv[1:2] == ["k03"]:
+        from . import bench_k03
+        return bench_k03.bench_k03(argv[2:], say)
     parser = argparse.ArgumentParser(prog="./check.sh", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command")
