@@ -33,7 +33,7 @@ def grouped_torch_forward(x, w, m03, grouped_mm):
     num_experts, inter = w.w_gate.shape[0], w.w_gate.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.histc(flat.int(), bins=num_experts, min=0, max=num_experts - 1)
+    counts = torch.histc(flat.int() if x.is_cuda else flat.float(), bins=num_experts, min=0, max=num_experts - 1)
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     xs = x[order // w.top_k]
     gate_up = w.gate_up                                                        # [E, 2I, H]
