@@ -182,9 +182,10 @@ def _tiles(block_m: int, dtype: torch.dtype) -> dict:
         return dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, PRECISION=precision)
     if block_m == 32:   # decode around batch 256: about one block per expert, each expert's weights read once
         return dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, PRECISION=precision)
+    stages = 2 if dtype == torch.float32 else 4                # fp32 tiles are twice as big in shared memory
     if block_m == 64:
-        return dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4, PRECISION=precision)
-    return dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, PRECISION=precision)
+        return dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=stages, PRECISION=precision)
+    return dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=min(stages, 3), PRECISION=precision)
 
 
 def gate_up_silu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, sorted_ids: torch.Tensor,
