@@ -52,7 +52,7 @@ def _align_kernel(topk_ids_ptr, counts_ptr, sorted_ids_ptr, expert_ids_ptr, num_
         tl.store(num_post_ptr, tl.sum(padded, axis=0))
     for b0 in range(0, num_blocks, BLOCK):                                # blocks start//BM .. end//BM
         blocks = b0 + tl.arange(0, BLOCK)
-        mine = (blocks * BLOCK_M >= start) & (blocks * BLOCK_M < end)
+        mine = (blocks * BLOCK_M >= start) & (blocks * BLOCK_M < end) & (blocks < num_blocks)
         tl.store(expert_ids_ptr + blocks, tl.zeros([BLOCK], dtype=tl.int32) + e, mask=mine)
     written = start
     for p0 in range(0, num_pairs, BLOCK):
@@ -175,17 +175,17 @@ def pick_block_m(num_pairs: int, num_experts: int) -> int:
     return 16 if per_expert <= 12 else 32 if per_expert <= 24 else 64 if per_expert <= 96 else 128
 
 
-def _tiles(block_m: int, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """BLOCK_N, BLOCK_K and launch options (H200 target; the interpreter ignores num_warps/num_stages)."""
-    if block_m <= 32:   # decode: stream the experts' weights, many programs in flight
-        tiles = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
-    elif block_m == 64:
-        tiles = dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4)
-    else:
-        tiles = dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
-    if dtype == torch.float32:   # 4-byte tiles: half the K depth and two stages fit in shared memory
-        tiles.update(BLOCK_K=min(tiles["BLOCK_K"], 64), num_stages=2)
-    return tiles
+def _tiles(block_m: int, dtype: torch.dtype) -> dict:
+    """BLOCK_N, BLOCK_K, launch options (H200 target) and the dot precision: fp32 inputs stay IEEE, not TF32."""
+    precision = "ieee" if dtype == torch.float32 else "tf32"      # tf32 is the default; ignored for bf16/fp16
+    stages = 2 if dtype == torch.float32 else 4                # fp32 tiles are twice as big in shared memory
+    if block_m == 16:   # small decode batches: few blocks, so narrow tiles to keep every SM streaming weights
+        return dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=stages, PRECISION=precision)
+    if block_m == 32:   # decode around batch 256: about one block per expert, each expert's weights read once
+        return dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=stages, PRECISION=precision)
+    if block_m == 64:
+        return dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=stages, PRECISION=precision)
+    return dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=min(stages, 3), PRECISION=precision)
 
 
 def gate_up_silu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, sorted_ids: torch.Tensor,
@@ -198,8 +198,7 @@ def gate_up_silu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, sort
     _gate_up_kernel[grid](x, w_gate, w_up, out, sorted_ids, expert_ids, num_post,
                           out.shape[0], top_k, inter, hidden,
                           x.stride(0), x.stride(1), *w_gate.stride(), *w_up.stride(), out.stride(0), out.stride(1),
-                          BLOCK_M=block_m, EVEN_K=hidden % tiles["BLOCK_K"] == 0,
-                          PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **tiles)
+                          BLOCK_M=block_m, EVEN_K=hidden % tiles["BLOCK_K"] == 0, **tiles)
     return out
 
 
@@ -213,8 +212,7 @@ def down_weighted(h: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Ten
     _down_kernel[grid](h, w_down, out, topk_weights, sorted_ids, expert_ids, num_post,
                        out.shape[0], hidden, inter,
                        h.stride(0), h.stride(1), *w_down.stride(), out.stride(0), out.stride(1),
-                       BLOCK_M=block_m, EVEN_K=inter % tiles["BLOCK_K"] == 0,
-                       PRECISION="ieee" if h.dtype == torch.float32 else "tf32", **tiles)
+                       BLOCK_M=block_m, EVEN_K=inter % tiles["BLOCK_K"] == 0, **tiles)
     return out
 
 
