@@ -65,8 +65,12 @@ def _check(actual, expected, *, what: str, rand: Rand, dtype=torch.float32, mist
 
 
 def _same(actual: torch.Tensor, before: torch.Tensor, *, what: str, mistake: str, rand: Rand) -> None:
-    if not torch.equal(actual.cpu(), before.cpu()):
-        raise AssertionError(f"{what}：应保持不变，却被改写了；{rand}\n  看起来像易错点：{mistake}")
+    if torch.equal(actual.cpu(), before.cpu()):
+        return
+    if mistake == STATE_BF16 and not torch.allclose(actual.cpu(), before.cpu(), rtol=8e-3, atol=0):   # not a rounding
+        raise AssertionError(f"{what}：应保持不变，却被改写了（不是 bf16 舍入的样子：检查初始状态是否读入、"
+                             f"每条序列的块边界、写回的 slot）；{rand}")
+    raise AssertionError(f"{what}：应保持不变，却被改写了；{rand}\n  看起来像易错点：{mistake}")
 
 
 # ---------------------------------------------------------------------------------------------- oracles
@@ -87,9 +91,9 @@ def _layer_inputs(r: Rand, n: int, s: dict, dtype: torch.dtype, scale: float = 1
                 A_log=r.randn(s["nv"], scale=0.5).to(DEV, dtype), dt_bias=r.randn(s["nv"], scale=0.5).to(DEV, dtype))
 
 
-def _pools(r: Rand, slots: int, s: dict, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _pools(r: Rand, slots: int, s: dict, dtype: torch.dtype, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     C = 2 * s["nk"] * s["dk"] + s["nv"] * s["dv"]
-    return (r.randn(slots, C, s["K"] - 1).to(DEV, dtype), r.randn(slots, s["nv"], s["dk"], s["dv"], scale=0.5).to(DEV))
+    return (r.randn(slots, C, s["K"] - 1, scale=scale).to(DEV, dtype), r.randn(slots, s["nv"], s["dk"], s["dv"], scale=0.5).to(DEV))
 
 
 def _qkv(m5, x: torch.Tensor, s: dict, *, eps_outside=False, no_scale=False, tile=False):
@@ -159,7 +163,7 @@ def test_decode_matches_m05():
         batch = r.choice([1, 5, 64, 256]) if GPU else r.int(2, 4)
         num_slots = batch + 3
         inp = _layer_inputs(r, batch, s, dtype, scale)
-        conv_pool, ssm_pool = _pools(r, num_slots, s, dtype)
+        conv_pool, ssm_pool = _pools(r, num_slots, s, dtype, scale)          # tiny q/k show where eps goes
         slots = torch.randperm(num_slots, generator=r.gen)[:batch].to(DEV, torch.int32)
         before = conv_pool.clone(), ssm_pool.clone()
         o = _call(m.gdn_decode, inp, conv_pool, ssm_pool, slots, s=s)
@@ -240,7 +244,7 @@ def test_state_stays_fp32():
     _same(ssm_pool, before, what=f"gdn_prefill（bf16，β=0、g=0，长度 {lengths}）之后的递推状态", mistake=STATE_BF16, rand=r)
 
     # beta = 0 with real decays: the state only decays, S_T = exp(sum g) * S_0, in fp32
-    H, T = s["nv"], lengths[1]
+    H, T = (s["nv"] if GPU else 1), lengths[1]
     q = F.normalize(r.randn(1, T, H, s["dk"]), dim=-1).to(DEV, torch.bfloat16)
     v = r.randn(1, T, H, s["dv"]).to(DEV, torch.bfloat16)
     g = (-F.softplus(r.randn(1, T, H)) * 0.01).to(DEV)
@@ -409,7 +413,7 @@ def test_prefill_matches_hf_layer():
 def test_prefill_then_decode():
     m = impl(MODULE)
     r = Rand()
-    s = _layer_sizes(r)
+    s = _layer_sizes(r) if GPU else dict(nk=1, nv=2, dk=8, dv=8, K=r.int(2, 4))
     lengths = [r.int(4, 9), r.int(66, 72)] if not GPU else [r.int(4, 9), r.int(3000, 5000), r.int(66, 200)]
     inp = _layer_inputs(r, sum(lengths), s, torch.float32)
     num_slots = len(lengths) + 1
@@ -468,7 +472,7 @@ def test_card_worked_example():
     assert_close(o[0, :, 0].cpu(), ref_o, what="卡片例子拆成两条序列（cu_seqlens=[0,2,3]，第二条从 S_2 出发）的输出",
                  atol=1e-4, rtol=0)
     assert_close(s[:, 0].cpu(), torch.stack([s2, ref_s]), what="卡片例子两条序列的最终状态 [S_2, S_3]", atol=1e-4, rtol=0,
-                 looks_like=[(torch.stack([s2, torch.tensor([[2.2104, -0.0744], [1.1840, -0.8320]])]), INIT_IGNORED)])
+                 looks_like=[(torch.stack([s2, torch.tensor([[1.5, 0.0], [0.0, 0.0]])]), INIT_IGNORED)])
 
     # decode through the pool: B=2, slots [2, -1]; 1 head, dk=dv=2, K=2, conv weight [0, 1] (window's newest only)
     mixed = torch.tensor([[3.0, 1.0, 1.0, 0.0, 1.0, -1.0], [9.0, 9.0, 9.0, 9.0, 9.0, 9.0]])

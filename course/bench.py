@@ -189,7 +189,7 @@ def main(argv: list[str], say) -> int:
     if argv and argv[0] in ("k03", "k04"):
         import importlib
         module = importlib.import_module(f"course.bench_{argv[0]}")
-        return getattr(module, f"bench_{argv[0]}")(argv[1:])
+        return getattr(module, f"bench_{argv[0]}")(argparse.Namespace(solutions="--solutions" in argv[1:]))
     p = argparse.ArgumentParser(prog="./check.sh bench")
     p.add_argument("--model", choices=sorted(MODELS), default="qwen3-0.6b")
     p.add_argument("--num-seqs", type=int, default=256)

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import triton
+import triton.language as tl
 from torch import nn
 
 from .e01_sampling import Sampler, SamplingParams, make_generator
@@ -43,7 +45,7 @@ from .k03_fused_moe import fused_moe_forward
 from .k04_gdn_kernels import gdn_decode, gdn_prefill
 from .m01_rmsnorm import GemmaRMSNorm, RMSNorm
 from .m03_sparse_moe import MoEWeights, SharedExpert
-from .m04_attention import AttentionContext
+from .m04_attention import AttentionContext, GatedAttention
 from .m05_gated_deltanet import GatedDeltaNet
 from .m06_models import CausalLM, SparseMoeBlock, build_model, load_checkpoint, text_config
 
@@ -58,6 +60,88 @@ class KernelNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         return add_rms_norm(x, residual, self.weight, self.eps, gemma=self.gemma)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(x_ptr, out_ptr, w_ptr, pos_ptr, cache_ptr, stride_xt, stride_xh, stride_ot, stride_oh,
+                         stride_cache, eps, D, HALF_R, GEMMA: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One head of one token: RMSNorm over D (m01's cast order), then rotate-half RoPE on its first 2*HALF_R dims."""
+    t, h = tl.program_id(0), tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    x = tl.load(x_ptr + t.to(tl.int64) * stride_xt + h * stride_xh + d, mask=d < D, other=0.0)
+    xf = x.to(tl.float32)
+    n = xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
+    w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+    if GEMMA:                                        # (1 + w) in fp32, then cast
+        y = (n * (1.0 + w)).to(x.dtype).to(tl.float32)
+    else:                                            # cast first, then * w (in the model dtype)
+        y = (w * n.to(x.dtype).to(tl.float32)).to(x.dtype).to(tl.float32)
+    # rotate-half: pair (i, i + R/2) turned by angle i, cos/sin from the fp32 cache row of this position
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    rotary = d < 2 * HALF_R
+    i = tl.where(d < HALF_R, d, d - HALF_R)
+    cos = tl.load(cache_ptr + pos * stride_cache + i, mask=rotary, other=1.0)
+    sin = tl.load(cache_ptr + pos * stride_cache + HALF_R + i, mask=rotary, other=0.0)
+    partner = tl.where(d < HALF_R, d + HALF_R, d - HALF_R)
+    # the partner's normalised value: recompute it from its own load (cheap; D <= 256)
+    xp = tl.load(x_ptr + t.to(tl.int64) * stride_xt + h * stride_xh + partner, mask=rotary, other=0.0).to(tl.float32)
+    wp = tl.load(w_ptr + partner, mask=rotary, other=0.0).to(tl.float32)
+    np_ = xp * tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
+    if GEMMA:
+        yp = (np_ * (1.0 + wp)).to(x.dtype).to(tl.float32)
+    else:
+        yp = (wp * np_.to(x.dtype).to(tl.float32)).to(x.dtype).to(tl.float32)
+    rot = tl.where(d < HALF_R, y * cos - yp * sin, y * cos + yp * sin)
+    out = tl.where(rotary, rot, y)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool, positions: torch.Tensor,
+                 cos_sin_cache: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """x [N, heads, D] (a strided view of the qkv projection) -> RoPE(RMSNorm(x)) [N, heads, D], one launch."""
+    num_tokens, heads, dim = x.shape
+    out = torch.empty(num_tokens, heads, dim, dtype=x.dtype, device=x.device)
+    if num_tokens:
+        _qk_norm_rope_kernel[(num_tokens, heads)](
+            x, out, weight, positions, cos_sin_cache, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+            cos_sin_cache.stride(0), eps, dim, rotary_dim // 2, GEMMA=gemma, BLOCK_D=triton.next_power_of_2(dim),
+            num_warps=1 if dim <= 128 else 2)
+    return out
+
+
+class KernelAttention(nn.Module):
+    """m04's Qwen3Attention / GatedAttention with q/k norm and RoPE fused into one launch each for q and k.
+
+    m02 + m01 in torch take ~20 small kernels per layer for this; a decode step of a 28-layer model spends
+    more time launching them than computing. 3-D (multimodal) positions fall back to the torch path.
+    """
+
+    def __init__(self, attn: nn.Module):
+        super().__init__()
+        self.inner = attn
+        self.gated = isinstance(attn, GatedAttention)
+        self.gemma = isinstance(attn.q_norm, GemmaRMSNorm)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        a = self.inner
+        if positions.dim() != 1:
+            return a(positions, hidden_states, ctx)
+        nH, nKV, D = a.num_heads, a.num_kv_heads, a.head_dim
+        q_width = 2 * a.q_size if self.gated else a.q_size
+        q, k, v = a.qkv_proj(hidden_states).split([q_width, a.kv_size, a.kv_size], dim=-1)
+        gate = None
+        if self.gated:
+            q, gate = q.view(-1, nH, 2 * D).chunk(2, dim=-1)                # per head [q_h | gate_h]
+        else:
+            q = q.view(-1, nH, D)
+        rope = a.rotary
+        q = qk_norm_rope(q, a.q_norm.weight, a.q_norm.eps, self.gemma, positions, rope.cos_sin_cache, rope.rotary_dim)
+        k = qk_norm_rope(k.view(-1, nKV, D), a.k_norm.weight, a.k_norm.eps, self.gemma, positions,
+                         rope.cos_sin_cache, rope.rotary_dim)
+        o = a.attn(q, k, v.view(-1, nKV, D), ctx)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return a.o_proj(o.flatten(1))
 
 
 class KernelMoE(nn.Module):
@@ -222,8 +306,9 @@ class GPUModelRunner(ModelRunner):
                                    torch.zeros(shape, dtype=self.dtype, device=self.device)))
         with torch.device(self.device):
             self.gdn_pool = GDNStatePool(model, max_num_seqs + 1, self.dtype) if model.linear_layer_ids else None
-        # the decode kernel's grid is fixed by its number of key partitions: enough for max_model_len
-        use_kernels(model, self.kv_caches, num_splits=max(1, -(-max_model_len // 512)))
+        # the decode kernel's grid is fixed by its number of key partitions: at most one per 256 keys
+        self.max_splits = max(1, min(16, -(-max_model_len // 256)))
+        use_kernels(model, self.kv_caches, num_splits=self.max_splits)
         self.generators: dict[int, torch.Generator | None] = {}
         self.sampler = DeviceSampler()
         self.last_was_decode = False

@@ -1,0 +1,68 @@
+"""Every 易错点 of lessons/k04_gdn_kernels.md, planted into a copy of the reference."""
+
+from checks.plants import Plant
+
+PLANTS = [
+    Plant("decode_state_in_bf16", "状态用 bf16 携带（decode：load 之后转成了模型 dtype）",
+          old="    S = tl.load(ptrs, mask=smask, other=0.0) * tl.exp(g)               # 1. decay         [dk, BV] fp32\n",
+          new="    S = (tl.load(ptrs, mask=smask, other=0.0) * tl.exp(g)).to(x_ptr.dtype.element_ty)\n",
+          expect="状态用 bf16"),
+    Plant("prefill_state_in_bf16", "状态用 bf16 携带（prefill：块间的状态每块舍入到模型 dtype）",
+          old="        h = h * tl.exp(g_last) + tl.dot(tl.trans(k_write), v_new.to(dt), input_precision=PREC)\n",
+          new="        h = (h * tl.exp(g_last) + tl.dot(tl.trans(k_write), v_new.to(dt), input_precision=PREC))"
+              ".to(w_ptr.dtype.element_ty).to(tl.float32)\n",
+          expect="状态用 bf16"),
+    Plant("decode_read_before_decay", "读 kᵀS 之前没有先衰减（decode）",
+          old="    S = tl.load(ptrs, mask=smask, other=0.0) * tl.exp(g)               # 1. decay         [dk, BV] fp32\n"
+              "    u = beta * (v - tl.sum(k[:, None] * S, 0))                          # 2. beta (v - k^T S)\n",
+          new="    S = tl.load(ptrs, mask=smask, other=0.0)\n"
+              "    u = beta * (v - tl.sum(k[:, None] * S, 0))\n"
+              "    S = S * tl.exp(g)\n",
+          expect="读 kᵀS 之前没有先衰减"),
+    Plant("chunk_w_undecayed", "读 kᵀS 之前没有先衰减（分块：w 少了 e^γ，块首状态没衰减就被读）",
+          old="    w = tl.dot(T_inv, (k * (beta * tl.exp(gamma))[:, None]).to(dt), input_precision=PREC)\n",
+          new="    w = tl.dot(T_inv, (k * beta[:, None]).to(dt), input_precision=PREC)\n",
+          expect=None),
+    Plant("beta_on_v_only", "β 只乘在了 v 上（decode：u = β·v − kᵀS）",
+          old="    u = beta * (v - tl.sum(k[:, None] * S, 0))                          # 2. beta (v - k^T S)\n",
+          new="    u = beta * v - tl.sum(k[:, None] * S, 0)\n",
+          expect="β 只乘在了 v 上"),
+    Plant("beta_twice_in_L", "β 乘了两遍（L 里写成 β_i·β_j）",
+          old="    L = tl.where(below, L * beta[:, None] * tl.exp(",
+          new="    L = tl.where(below, L * beta[:, None] * beta[None, :] * tl.exp(",
+          expect=None),
+    Plant("l2norm_eps_outside", "l2norm 的 eps 放在了根号外（x / (‖x‖ + eps)）",
+          old="    q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale\n"
+              "    k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)\n",
+          new="    q = q / (tl.sqrt(tl.sum(q * q, 0)) + 1e-6) * scale\n"
+              "    k = k / (tl.sqrt(tl.sum(k * k, 0)) + 1e-6)\n",
+          expect="l2norm 的 eps 放错了位置"),
+    Plant("q_scale_missing", "q 没有乘 dk^-0.5",
+          old="    q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale\n",
+          new="    q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6)\n",
+          expect="q 没有乘 dk^-0.5"),
+    Plant("head_map_modulo", "value 头到 key 头用了 hv % nk",
+          old="    hk = hv // GROUP                                                    # value head hv reads key head hv // (nv/nk)\n",
+          new="    hk = hv % (HV // GROUP)\n",
+          expect="value 头到 key 头的映射错了"),
+    Plant("conv_state_not_shifted", "conv_state 滑窗错了（存回了旧窗口的前 K−1 个，丢了新 token）",
+          old="    tl.store(base + (taps[None, :] - 1) * stride_pk, window, mask=shifted)   # drop the oldest input\n",
+          new="    tl.store(base + taps[None, :] * stride_pk, window, mask=pmask & (taps[None, :] < K - 1))\n",
+          expect="conv_state 滑窗错了"),
+    Plant("padding_slot_written", "slot −1 的 padding 行也写了池（夹到 slot 0）",
+          old="    pmask = (cols < tl.where(live, C, 0))[:, None]                     # the pool rows of a live slot\n",
+          new="    pmask = (cols < C)[:, None]\n",
+          expect="slot −1"),
+    Plant("global_chunk_boundaries", "变长序列按打包张量的全局 64 对齐分块",
+          old="    start = cu[:-1][seq] + (torch.arange(total, device=cu.device) - first[seq]) * CHUNK\n",
+          new="    start = torch.arange(total, device=cu.device) * CHUNK\n",
+          expect="块边界错了"),
+    Plant("initial_state_ignored", "忽略了初始状态（prefill 不读池里的递推状态）",
+          old="        HAS_INITIAL=state_in is not None, DOT=dot,",
+          new="        HAS_INITIAL=False, DOT=dot,",
+          expect="忽略了初始状态"),
+    Plant("prefill_conv_ignores_pool", "prefill 卷积没有接上池里的 conv_state",
+          old="        past = tl.load(base + (src - bos + K - 1)[:, None] * stride_pk,  # before bos: the pool's conv state\n",
+          new="        past = 0.0 * tl.load(base + (src - bos + K - 1)[:, None] * stride_pk,\n",
+          expect="prefill 卷积跨过了序列边界"),
+]
