@@ -38,6 +38,28 @@ def point(title: str):
 # a check that only means something on a GPU (native Triton at realistic shapes): reported as skipped, never passed
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="需要 GPU")
 
+# Track K: where a check runs the learner's Triton kernels. With CUDA natively on the GPU; without it on the CPU
+# through the Triton interpreter (checks/conftest.py). Inputs are drawn on the CPU (Rand's generator, so a seed
+# replays the same numbers on both machines) and moved with `to_dev`; the torch oracles run on the CPU, and
+# kernel outputs come back with `to_cpu` (assert_close / assert_equal bring them back themselves).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+# on a GPU a check also pays Triton's compilation of each kernel variant it launches (seconds each on a cold
+# cache), beyond the grader's per-check limit: Track K check files set `pytestmark = gpu_compile_timeout`
+gpu_compile_timeout = pytest.mark.timeout(240) if DEVICE.type == "cuda" else []
+
+
+def to_dev(*tensors):
+    """The tensors on DEVICE (None and non-tensors unchanged; a no-op without CUDA); one argument -> one result."""
+    moved = tuple(t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in tensors)
+    return moved[0] if len(moved) == 1 else moved
+
+
+def to_cpu(*tensors):
+    """The tensors on the CPU (None and non-tensors unchanged; a no-op without CUDA); one argument -> one result."""
+    moved = tuple(t.cpu() if isinstance(t, torch.Tensor) else t for t in tensors)
+    return moved[0] if len(moved) == 1 else moved
+
 
 def impl(module: str) -> types.ModuleType:
     return select.load(module)
@@ -104,13 +126,14 @@ def assert_close(actual, expected: torch.Tensor, *, what: str, rand: Rand | None
         raise AssertionError(f"{what}：应返回 torch.Tensor，得到 {type(actual).__name__}{seed}")
     if actual.shape != expected.shape:
         raise AssertionError(f"{what}：形状应为 {list(expected.shape)}，得到 {list(actual.shape)}{seed}")
+    actual, expected = to_cpu(actual, expected)                      # a kernel's output may live on the GPU
     if close(actual, expected, atol, rtol):
         return
     err, idx = _max_err(actual, expected)
     msg = (f"{what}：与参考不一致，最大误差 {err:.3g}，位置 {list(idx)}"
            f"（得到 {float(actual[idx]):.6g}，期望 {float(expected[idx]):.6g}；atol={atol:g}, rtol={rtol:g}）{seed}")
     for wrong, mistake in looks_like:
-        if wrong is not None and close(actual, wrong, max(atol, 1e-5), max(rtol, 1e-5)):
+        if wrong is not None and close(actual, to_cpu(wrong), max(atol, 1e-5), max(rtol, 1e-5)):
             msg += f"\n  看起来像易错点：{mistake}"
             break
     raise AssertionError(msg)
@@ -123,6 +146,7 @@ def assert_equal(actual, expected: torch.Tensor, *, what: str, rand: Rand | None
         raise AssertionError(f"{what}：应返回 torch.Tensor，得到 {type(actual).__name__}{seed}")
     if actual.shape != expected.shape:
         raise AssertionError(f"{what}：形状应为 {list(expected.shape)}，得到 {list(actual.shape)}{seed}")
+    actual, expected = to_cpu(actual, expected)
     if torch.equal(actual.to(expected.dtype), expected):
         return
     bad = (actual.to(expected.dtype) != expected).nonzero()
@@ -130,7 +154,7 @@ def assert_equal(actual, expected: torch.Tensor, *, what: str, rand: Rand | None
     msg = (f"{what}：有 {len(bad)} 个元素不同，第一个在 {list(first)}"
            f"（得到 {actual[first].item()}，期望 {expected[first].item()}）{seed}")
     for wrong, mistake in looks_like:
-        if wrong is not None and wrong.shape == actual.shape and torch.equal(actual.to(wrong.dtype), wrong):
+        if wrong is not None and wrong.shape == actual.shape and torch.equal(actual.to(wrong.dtype), to_cpu(wrong)):
             msg += f"\n  看起来像易错点：{mistake}"
             break
     raise AssertionError(msg)

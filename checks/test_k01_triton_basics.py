@@ -1,9 +1,10 @@
 """Checks for K01 · Triton basics (lessons/k01_triton_basics.md).
 
 Oracles: e04's torch `store_kvcache` (index assignment into the flat cache view) and m01's `rms_norm` /
-`gemma_rms_norm` with the residual protocol. Without CUDA the kernels run in the Triton interpreter
-(checks/conftest.py sets TRITON_INTERPRET=1) at small fp32 / fp16 shapes; with CUDA the last check also runs
-them natively at 8k tokens in bf16 (skipped, never passed, without a GPU).
+`gemma_rms_norm` with the residual protocol. Every check runs the kernels at small fp32 / fp16 shapes on
+checks.kit.DEVICE: natively with CUDA, otherwise in the Triton interpreter (checks/conftest.py sets
+TRITON_INTERPRET=1); the torch oracles run on the CPU. With CUDA the last check also runs them natively at 8k
+tokens in bf16 (skipped, never passed, without a GPU).
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checks.kit import Rand, assert_close, assert_equal, impl, needs_cuda, point
+from checks.kit import (DEVICE, Rand, assert_close, assert_equal, gpu_compile_timeout, impl, needs_cuda, point,
+                        to_cpu, to_dev)
 
 MODULE = "k01_triton_basics"
 torch.set_num_threads(1)
+pytestmark = gpu_compile_timeout
 
 M_SLOT_NEG = "slot = −1 的填充行也写了（应整行跳过：if slot < 0: return）"
 M_STRIDE = "把 k/v 当成连续张量（token 步长写成 nKV·D）：从 qkv 切出的 k/v 是非连续 view，应传 k.stride(0)"
@@ -26,13 +29,13 @@ M_SUM_UNROUNDED = "对未舍入的 fp32 和 x + residual 求统计量：应先�
 M_RES_OUT = "返回的 residual 不是 x + residual"
 
 
-def _guarded_caches(num_blocks: int, page: int, nkv: int, d: int, dtype=torch.float32, device="cpu"):
+def _guarded_caches(num_blocks: int, page: int, nkv: int, d: int, dtype=torch.float32, device=DEVICE):
     """k/v caches that are views into buffers with one guard block before and after (NaN-free sentinels)."""
     bufs = [torch.full((num_blocks + 2, page, nkv, d), -100.0, dtype=dtype, device=device) for _ in range(2)]
     return bufs, [b[1:-1] for b in bufs]
 
 
-def _store_case(r: Rand, dtype=torch.float32, device="cpu", n=None, pad=True):
+def _store_case(r: Rand, dtype=torch.float32, device=DEVICE, n=None, pad=True):
     nkv, d, page = r.choice([1, 2, 4]), r.choice([16, 32, 48]), r.choice([16, 32])
     n = n or r.int(3, 24)
     num_blocks = (n + page - 1) // page + r.int(1, 3)
@@ -47,6 +50,7 @@ def _store_case(r: Rand, dtype=torch.float32, device="cpu", n=None, pad=True):
 
 
 def _expected_caches(bufs, k, v, slots):
+    """e04's torch store (index assignment, exact on any device) into copies of the guarded buffers."""
     exp = [b.clone() for b in bufs]
     keep = slots >= 0
     for e, src in zip(exp, (k, v)):
@@ -75,7 +79,7 @@ def test_store_kvcache_skips_padding():
     bufs, (kc, vc) = _guarded_caches(nb, page, k.shape[1], k.shape[2])
     exp = _expected_caches(bufs, k, v, slots)
     m.store_kvcache(k.contiguous(), v.contiguous(), kc, vc, slots)
-    for got, want, name in ((bufs[0], exp[0], "k_cache"), (bufs[1], exp[1], "v_cache")):
+    for got, want, name in zip(to_cpu(*bufs), to_cpu(*exp), ("k_cache", "v_cache")):
         if not torch.equal(got, want):
             outside = not torch.equal(got[0], want[0]) or not torch.equal(got[-1], want[-1])
             where = "cache 之外（前后的保护块）被改写了" if outside else "cache 内有槽位与参考不同"
@@ -91,7 +95,7 @@ def test_store_kvcache_strided_views():
     bufs, (kc, vc) = _guarded_caches(nb, page, k.shape[1], k.shape[2])
     exp = _expected_caches(bufs, k, v, slots)
     m.store_kvcache(k, v, kc, vc, slots)
-    for got, want, name in ((bufs[0], exp[0], "k_cache"), (bufs[1], exp[1], "v_cache")):
+    for got, want, name in zip(to_cpu(*bufs), to_cpu(*exp), ("k_cache", "v_cache")):
         if not torch.equal(got, want):
             raise AssertionError(f"{name}：k/v 是 qkv 的非连续 view 时写入的内容不对；{r}\n  看起来像易错点：{M_STRIDE}")
 
@@ -106,12 +110,13 @@ def _m01_fused(x, residual, w, eps, gemma):
 
 
 def _call(m, x, residual, w, eps, gemma):
-    out = m.add_rms_norm(x, residual, w, eps, gemma=gemma)
+    """add_rms_norm on DEVICE; the outputs back on the CPU."""
+    out = m.add_rms_norm(*to_dev(x, residual, w), eps, gemma=gemma)
     if residual is None:
         assert isinstance(out, torch.Tensor), f"residual=None 时应返回一个张量，得到 {type(out).__name__}"
-        return out, None
+        return to_cpu(out), None
     assert isinstance(out, tuple) and len(out) == 2, "有 residual 时应返回 (normed, x + residual) 两个张量"
-    return out
+    return to_cpu(*out)
 
 
 @point("add_rms_norm 的残差协议与 m01 一致（任意前导维度）")
@@ -119,7 +124,7 @@ def test_add_rms_norm_protocol_fp32():
     m = impl(MODULE)
     r = Rand()
     for gemma in (False, True):
-        hidden = r.choice([48, 96, 100, 128])
+        hidden = r.choice([48, 96, 100, 128] if gemma else [48, 96, 100])      # at least one H not a power of 2
         shape = r.choice([(r.int(1, 9), hidden), (r.int(1, 4), r.int(1, 4), hidden)])
         x, res, w = r.randn(*shape), r.randn(*shape), r.randn(hidden, scale=0.5)
         for residual in (None, res):
@@ -178,7 +183,7 @@ def test_fp32_statistics():
     r = Rand()
     x = r.randn(8, 256, scale=400.0, dtype=torch.float16)                        # x² > 65504
     w = r.randn(256, scale=0.5, dtype=torch.float16)
-    out = m.add_rms_norm(x, None, w, 1e-6)
+    out = to_cpu(m.add_rms_norm(*to_dev(x, None, w), 1e-6))
     ref = impl("m01_rmsnorm").rms_norm(x, w, 1e-6)
     if not torch.isfinite(out).all() or float(out.float().abs().max()) == 0.0:
         raise AssertionError(f"fp16、|x| ≈ 400 时输出是 0 / inf / NaN；{r}\n  看起来像易错点：{M_STATS_DTYPE}")
@@ -190,7 +195,8 @@ def test_card_example():
     m = impl(MODULE)
     k = torch.arange(8, dtype=torch.float32).view(1, 2, 4)
     bufs, (kc, vc) = _guarded_caches(4, 16, 2, 4)
-    m.store_kvcache(k, -k, kc, vc, torch.tensor([37]))
+    m.store_kvcache(*to_dev(k, -k), kc, vc, to_dev(torch.tensor([37])))
+    kc, vc = to_cpu(kc, vc)
     assert torch.equal(kc[2, 5], k[0]) and torch.equal(vc[2, 5], -k[0]), "slot 37 应写到 k_cache[2, 5]（37 = 2·16 + 5）"
     assert int((kc != -100.0).sum()) == 8, "除了 k_cache[2, 5] 之外不应有别的位置被改写"
     x, res = torch.tensor([[1.0, 3.0, -1.0, 1.0]]), torch.tensor([[1.0, -1.0, 3.0, -3.0]])
@@ -224,7 +230,7 @@ def test_native_cuda_bf16():
         x, res = r.randn(n, hidden, dtype=bf16).to(dev), r.randn(n, hidden, dtype=bf16).to(dev)
         w = (r.randn(hidden, scale=0.2) + (0 if gemma else 1)).to(bf16).to(dev)
         out, s = _call(m, x, res, w, 1e-6, gemma)
-        ref, ref_s = _m01_fused(x, res, w, 1e-6, gemma)
+        ref, ref_s = to_cpu(*_m01_fused(x, res, w, 1e-6, gemma))                  # torch on the GPU
         assert torch.equal(s, ref_s), "CUDA bf16 的 residual 和应与 torch 逐位相同"
         # fp32 statistics summed in another order: at most 1 bf16 ulp on rare elements
         hit = _ulp_match(out, ref)

@@ -1,20 +1,24 @@
 """Checks for K02 · Paged attention in Triton (lessons/k02_paged_attention.md).
 
 Oracle: m04's `varlen_attention` (fp32 softmax, bottom-right causal, GQA by repeat_interleave) over the keys
-gathered from the paged cache in torch; e04's `PagedAttention` for the drop-in module. Without CUDA the
-kernels run in the Triton interpreter (checks/conftest.py) at small fp32 / fp16 shapes; with CUDA the last two
-checks run them natively in bf16 at serving shapes (skipped, never passed, without a GPU).
+gathered from the paged cache in torch; e04's `PagedAttention` for the drop-in module. Every check runs the
+kernels at small fp32 / fp16 shapes on checks.kit.DEVICE: natively with CUDA, otherwise in the Triton
+interpreter (checks/conftest.py); problems are built and the oracles run on the CPU. With CUDA the last two
+checks also run them natively in bf16 at serving shapes (skipped, never passed, without a GPU).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from checks.kit import Rand, assert_close, impl, needs_cuda, point
+from checks.kit import Rand, assert_close, gpu_compile_timeout, impl, needs_cuda, point, to_cpu, to_dev
 
 MODULE = "k02_paged_attention"
 torch.set_num_threads(1)
+pytestmark = gpu_compile_timeout
 
 M_TOP_LEFT = "有缓存前缀时 causal mask 左上对齐（j ≤ i）：应右下对齐，query i 看得到 key j ≤ (Lk − Lq) + i"
 M_GQA = "GQA 头映射写成 h % nKV（平铺）：query head h 应读 kv head h // (nH / nKV)"
@@ -86,7 +90,7 @@ def test_prefill_no_prefix():
     lens = [r.int(1, 90) for _ in range(r.int(1, 3))]
     q, kc, vc, bt, cu_q, cu_k, keys, values = paged_problem(r, lens, lens, nh, nkv, d, page)
     scale = d ** -0.5
-    out = m.prefill_attention(q, kc, vc, cu_q, cu_k, bt, max(lens), scale)
+    out = m.prefill_attention(*to_dev(q, kc, vc, cu_q, cu_k, bt), max(lens), scale)
     assert_close(out, reference(q, keys, values, cu_q, cu_k, scale), what=f"prefill_attention（P={page}, D={d}）",
                  rand=r, atol=1e-5, rtol=1e-4,
                  looks_like=[(reference(q, keys, values, cu_q, cu_k, scale, gqa_tiled=True) if nh > nkv else None,
@@ -103,7 +107,7 @@ def test_prefill_cached_prefix_gqa():
     lens_q = [r.int(2, lk - 5) for lk in lens_k]
     q, kc, vc, bt, cu_q, cu_k, keys, values = paged_problem(r, lens_q, lens_k, nh, nkv, d, page)
     scale = d ** -0.5
-    out = m.prefill_attention(q, kc, vc, cu_q, cu_k, bt, max(lens_q), scale)
+    out = m.prefill_attention(*to_dev(q, kc, vc, cu_q, cu_k, bt), max(lens_q), scale)
     assert_close(out, reference(q, keys, values, cu_q, cu_k, scale), what="带前缀的 prefill_attention",
                  rand=r, atol=1e-5, rtol=1e-4,
                  looks_like=[(reference(q, keys, values, cu_q, cu_k, scale, top_left=True), M_TOP_LEFT),
@@ -119,7 +123,7 @@ def test_flash_attention_varlen_unpaged():
     lens_q = [r.int(1, lk) for lk in lens_k]
     q, kc, vc, bt, cu_q, cu_k, keys, values = paged_problem(r, lens_q, lens_k, nh, nkv, d, 16)
     scale = d ** -0.5
-    out = m.flash_attention_varlen(q, keys, values, cu_q, cu_k, max(lens_q), scale)
+    out = m.flash_attention_varlen(*to_dev(q, keys, values, cu_q, cu_k), max(lens_q), scale)
     assert_close(out, reference(q, keys, values, cu_q, cu_k, scale), what="flash_attention_varlen", rand=r,
                  atol=1e-5, rtol=1e-4,
                  looks_like=[(reference(q, keys, values, cu_q, cu_k, scale, top_left=True), M_TOP_LEFT)])
@@ -151,9 +155,10 @@ def test_online_softmax_rescale():
         q, kc, vc, bt, keys, values, lk = _ramp_problem(r, rising)
         cu_q, cu_k = torch.tensor([0, 1]).int(), torch.tensor([0, lk]).int()
         ref = reference(q, keys, values, cu_q, cu_k, 1.0)
-        for name, out in (("prefill_attention", m.prefill_attention(q, kc, vc, cu_q, cu_k, bt, 1, 1.0)),
-                          ("decode_attention", m.decode_attention(q, kc, vc, bt, torch.tensor([lk]).int(), 1.0, 1))):
-            if not torch.allclose(out, ref, atol=1e-5, rtol=1e-4):
+        ctx = torch.tensor([lk]).int()
+        for name, out in (("prefill_attention", m.prefill_attention(*to_dev(q, kc, vc, cu_q, cu_k, bt), 1, 1.0)),
+                          ("decode_attention", m.decode_attention(*to_dev(q, kc, vc, bt, ctx), 1.0, 1))):
+            if not torch.allclose(to_cpu(out), ref, atol=1e-5, rtol=1e-4):
                 where = "分数沿 key 递增（最大值在最后一个 tile）" if rising else "分数沿 key 递减"
                 msg = f"{name}：{where}时与参考不一致；{r}"
                 if rising:                                    # the falling case (checked first) passed
@@ -172,9 +177,9 @@ def test_fp16_score_accumulator():
                                                             dtype=torch.float16, scale_qk=100.0)
     scale = d ** -0.5
     ref = reference(q, keys, values, cu_q, cu_k, scale)
-    for name, out in (("prefill_attention", m.prefill_attention(q, kc, vc, cu_q, cu_k, bt, lens[0], scale)),
-                      ("decode_attention", m.decode_attention(q[-1:], kc, vc, bt, cu_k[1:].int(), scale, 2))):
-        want = ref if name == "prefill_attention" else ref[-1:]
+    for name, out in (("prefill_attention", m.prefill_attention(*to_dev(q, kc, vc, cu_q, cu_k, bt), lens[0], scale)),
+                      ("decode_attention", m.decode_attention(*to_dev(q[-1:], kc, vc, bt, cu_k[1:].int()), scale, 2))):
+        out, want = to_cpu(out), (ref if name == "prefill_attention" else ref[-1:])
         if not torch.isfinite(out).all():
             raise AssertionError(f"{name}：fp16 输入、|q·k| 可达 1e5 时输出含 inf / NaN；{r}\n  看起来像易错点：{M_FP16}")
         assert_close(out, want, what=f"fp16 {name}", rand=r, atol=2e-3, rtol=2e-3)
@@ -197,10 +202,10 @@ def test_decode_splits():
     q, kc, vc, bt, ctx, cu_q, cu_k, keys, values = _decode_case(r, lens, nh, nkv, d, page)
     scale = d ** -0.5
     ref = reference(q, keys, values, cu_q, cu_k, scale)
-    one = m.decode_attention(q, kc, vc, bt, ctx, scale, 1)
+    one = m.decode_attention(*to_dev(q, kc, vc, bt, ctx), scale, 1)
     assert_close(one, ref, what="decode_attention（num_splits=1）", rand=r, atol=1e-5, rtol=1e-4)
     for splits in (2, 5, 16):
-        out = m.decode_attention(q, kc, vc, bt, ctx, scale, splits)
+        out = to_cpu(m.decode_attention(*to_dev(q, kc, vc, bt, ctx), scale, splits))
         if not torch.allclose(out, ref, atol=1e-5, rtol=1e-4):
             assert_close(out, ref, what=f"decode_attention（num_splits={splits}）", rand=r, atol=1e-5, rtol=1e-4,
                          looks_like=[(out, M_REDUCE_WEIGHT + "（num_splits=1 正确，>1 出错）")])
@@ -215,11 +220,11 @@ def test_decode_tail_and_gqa():
     scale = d ** -0.5
     whole = [128 * r.int(1, 2) for _ in range(2)]
     q, kc, vc, bt, ctx, cu_q, cu_k, keys, values = _decode_case(r, whole, nh, nkv, d, page)
-    out_whole = m.decode_attention(q, kc, vc, bt, ctx, scale, 1)
+    out_whole = to_cpu(m.decode_attention(*to_dev(q, kc, vc, bt, ctx), scale, 1))
     whole_ok = torch.allclose(out_whole, reference(q, keys, values, cu_q, cu_k, scale), atol=1e-5, rtol=1e-4)
     lens = [r.int(1, 15), r.int(17, 127), r.int(129, 200)]
     q, kc, vc, bt, ctx, cu_q, cu_k, keys, values = _decode_case(r, lens, nh, nkv, d, page)
-    out = m.decode_attention(q, kc, vc, bt, ctx, scale, 3)
+    out = to_cpu(m.decode_attention(*to_dev(q, kc, vc, bt, ctx), scale, 3))
     ref = reference(q, keys, values, cu_q, cu_k, scale)
     short = reference(q, torch.cat([keys[int(cu_k[b]):int(cu_k[b + 1]) - 1] for b in range(3)]),
                       torch.cat([values[int(cu_k[b]):int(cu_k[b + 1]) - 1] for b in range(3)]),
@@ -242,7 +247,7 @@ def test_decode_padded_row():
     ctx_pad = torch.cat([ctx, torch.zeros(1, dtype=torch.int32)])
     bt_pad = torch.cat([bt, torch.full((1, bt.shape[1]), -1, dtype=torch.int32)])
     q_pad = torch.cat([q, r.randn(1, nh, d)])
-    out = m.decode_attention(q_pad, kc, vc, bt_pad, ctx_pad, d ** -0.5, 4)
+    out = to_cpu(m.decode_attention(*to_dev(q_pad, kc, vc, bt_pad, ctx_pad), d ** -0.5, 4))
     assert out.shape == q_pad.shape, f"输出形状应为 {list(q_pad.shape)}，得到 {list(out.shape)}"
     assert_close(out[:3], ref, what="有填充行时其余行的 decode 输出", rand=r, atol=1e-5, rtol=1e-4)
 
@@ -256,8 +261,8 @@ def test_card_example():
     vc = torch.zeros(1, 16, 1, d)
     vc[0, :5, 0, 0] = torch.arange(5.0)
     bt = torch.tensor([[0]], dtype=torch.int32)
-    out = m.prefill_attention(torch.zeros(2, 1, d), kc, vc, torch.tensor([0, 2]).int(), torch.tensor([0, 5]).int(),
-                              bt, 2, 1.0)
+    out = to_cpu(m.prefill_attention(*to_dev(torch.zeros(2, 1, d), kc, vc, torch.tensor([0, 2]).int(),
+                                             torch.tensor([0, 5]).int(), bt), 2, 1.0))
     got = out[:, 0, 0].tolist()
     if not torch.allclose(out[:, 0, 0], torch.tensor([1.5, 2.0])):
         hint = f"\n  看起来像易错点：{M_TOP_LEFT}" if torch.allclose(out[:, 0, 0], torch.tensor([0.0, 0.5])) else ""
@@ -270,8 +275,13 @@ def test_card_example():
     q = torch.zeros(1, 1, d)
     q[0, 0, 0] = 1.0
     for splits in (1, 2):
-        o = m.decode_attention(q, kc, vc, bt, torch.tensor([4]).int(), 1.0, splits)
+        o = to_cpu(m.decode_attention(*to_dev(q, kc, vc, bt, torch.tensor([4]).int()), 1.0, splits))
         assert abs(float(o[0, 0, 0]) - 2.0) < 1e-5, f"num_splits={splits}：o 应为 2.0，得到 {float(o[0, 0, 0]):.6g}"
+
+
+def _ctx_to_dev(ctx):
+    """The same AttentionContext with its tensors on DEVICE."""
+    return dataclasses.replace(ctx, **{f.name: to_dev(getattr(ctx, f.name)) for f in dataclasses.fields(ctx)})
 
 
 @point("TritonPagedAttention 可替换 e04 的 PagedAttention（prefill、分块前缀、decode 步）")
@@ -281,7 +291,8 @@ def test_drop_in_module():
     r = Rand()
     nh, nkv, d, page = 4, 2, 16, 16
     shape = (12, page, nkv, d)
-    ours = m.TritonPagedAttention(nh, d, d ** -0.5, nkv, torch.zeros(shape), torch.zeros(shape), num_splits=2)
+    ours = m.TritonPagedAttention(nh, d, d ** -0.5, nkv, *to_dev(torch.zeros(shape), torch.zeros(shape)),
+                                  num_splits=2)
     theirs = e04.PagedAttention(nh, d, d ** -0.5, nkv, torch.zeros(shape), torch.zeros(shape))
     prompts = [r.int(3, 40), r.int(20, 50)]
     seqs = [e02.Sequence(list(range(n))) for n in prompts]
@@ -299,7 +310,7 @@ def test_drop_in_module():
         n = int(ctx.cu_seqlens_q[-1])
         q, k, v = r.randn(n, nh, d), r.randn(n, nkv, d), r.randn(n, nkv, d)
         want = theirs(q, k, v, ctx)
-        got = ours(q, k, v, ctx)
+        got = ours(*to_dev(q, k, v), _ctx_to_dev(ctx))
         assert_close(got, want, what=f"第 {step + 1} 步（{'decode' if not ctx.is_prefill else 'prefill'}）",
                      rand=r, atol=1e-5, rtol=1e-4)
         for s, n in zip(seqs, news):

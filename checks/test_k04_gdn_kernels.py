@@ -2,33 +2,27 @@
 
 Oracles: m05's torch reference (the layer's pieces: conv, gates, l2norm, the rule) and HF transformers 5.17's
 pure-torch `torch_chunk_gated_delta_rule` / `torch_recurrent_gated_delta_rule` (through `__wrapped__`) and
-`Qwen3_5GatedDeltaNet`. Without CUDA the kernels run in the Triton interpreter (TRITON_INTERPRET=1, set below
-before any kernel is defined) at tiny fp32 shapes; with CUDA the same checks run natively at real shapes
-(bf16 inputs, fp32 states, T up to 32k), and the GPU-only checks report skipped (需要 GPU) elsewhere.
+`Qwen3_5GatedDeltaNet`. Every check runs on checks.kit.DEVICE: without CUDA the kernels run in the Triton
+interpreter (checks/conftest.py sets TRITON_INTERPRET=1) at tiny fp32 shapes; with CUDA the same checks run
+natively at real shapes (bf16 inputs, fp32 states, T up to 32k), and the GPU-only checks report skipped
+(需要 GPU) elsewhere. Inputs are drawn on the CPU (Rand) and moved to DEVICE.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
-import pytest
 import torch
+import torch.nn.functional as F
+import transformers
+from transformers import DynamicCache, Qwen3_5TextConfig
+from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-GPU = torch.cuda.is_available()
-if not GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")   # read when the kernels are defined (impl(...) below)
-
-import torch.nn.functional as F  # noqa: E402
-import transformers  # noqa: E402
-from transformers import DynamicCache, Qwen3_5TextConfig  # noqa: E402
-from transformers.models.qwen3_5 import modeling_qwen3_5 as hf  # noqa: E402
-
-from checks.kit import TOL, Rand, assert_close, close, impl, point  # noqa: E402
+from checks.kit import DEVICE, TOL, Rand, assert_close, close, gpu_compile_timeout, impl, needs_cuda, point
 
 MODULE = "k04_gdn_kernels"
-DEV = torch.device("cuda" if GPU else "cpu")
-needs_gpu = pytest.mark.skipif(not GPU, reason="需要 GPU")
+GPU = DEVICE.type == "cuda"                        # real shapes and bf16 natively; tiny fp32 shapes in the interpreter
+pytestmark = gpu_compile_timeout
 transformers.utils.logging.set_verbosity_error()
 
 HF_CHUNK = getattr(hf.torch_chunk_gated_delta_rule, "__wrapped__", hf.torch_chunk_gated_delta_rule)
@@ -86,14 +80,14 @@ def _layer_inputs(r: Rand, n: int, s: dict, dtype: torch.dtype, scale: float = 1
     C = 2 * s["nk"] * s["dk"] + s["nv"] * s["dv"]
     proj = r.randn(n, C + 2 * s["nv"] + 8)
     proj[:, :C] *= scale
-    proj = proj.to(DEV, dtype)
-    return dict(mixed=proj[:, :C], a=proj[:, C:C + s["nv"]], b=proj[:, C + s["nv"]:C + 2 * s["nv"]], weight=r.randn(C, s["K"], scale=0.5).to(DEV, dtype),
-                A_log=r.randn(s["nv"], scale=0.5).to(DEV, dtype), dt_bias=r.randn(s["nv"], scale=0.5).to(DEV, dtype))
+    proj = proj.to(DEVICE, dtype)
+    return dict(mixed=proj[:, :C], a=proj[:, C:C + s["nv"]], b=proj[:, C + s["nv"]:C + 2 * s["nv"]], weight=r.randn(C, s["K"], scale=0.5).to(DEVICE, dtype),
+                A_log=r.randn(s["nv"], scale=0.5).to(DEVICE, dtype), dt_bias=r.randn(s["nv"], scale=0.5).to(DEVICE, dtype))
 
 
 def _pools(r: Rand, slots: int, s: dict, dtype: torch.dtype, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     C = 2 * s["nk"] * s["dk"] + s["nv"] * s["dv"]
-    return (r.randn(slots, C, s["K"] - 1, scale=scale).to(DEV, dtype), r.randn(slots, s["nv"], s["dk"], s["dv"], scale=0.5).to(DEV))
+    return (r.randn(slots, C, s["K"] - 1, scale=scale).to(DEVICE, dtype), r.randn(slots, s["nv"], s["dk"], s["dv"], scale=0.5).to(DEVICE))
 
 
 def _qkv(m5, x: torch.Tensor, s: dict, *, eps_outside=False, no_scale=False, tile=False):
@@ -149,7 +143,7 @@ def _call(fn, inp: dict, *args, s: dict):
 
 
 def _cu(lengths: list[int]) -> torch.Tensor:
-    return torch.tensor([0] + lengths).cumsum(0).to(DEV, torch.int32)
+    return torch.tensor([0] + lengths).cumsum(0).to(DEVICE, torch.int32)
 
 
 # ---------------------------------------------------------------------------------------------- decode
@@ -164,7 +158,7 @@ def test_decode_matches_m05():
         num_slots = batch + 3
         inp = _layer_inputs(r, batch, s, dtype, scale)
         conv_pool, ssm_pool = _pools(r, num_slots, s, dtype, scale)          # tiny q/k show where eps goes
-        slots = torch.randperm(num_slots, generator=r.gen)[:batch].to(DEV, torch.int32)
+        slots = torch.randperm(num_slots, generator=r.gen)[:batch].to(DEVICE, torch.int32)
         before = conv_pool.clone(), ssm_pool.clone()
         o = _call(m.gdn_decode, inp, conv_pool, ssm_pool, slots, s=s)
         idx = slots.long()
@@ -185,8 +179,8 @@ def test_decode_matches_m05():
                mistakes=lambda: wrong(2))
         rest = torch.ones(num_slots, dtype=torch.bool)
         rest[idx.cpu()] = False
-        _same(conv_pool[rest.to(DEV)], before[0][rest.to(DEV)], what="不在 slots 里的池行（conv）", mistake=SLOT_WRITTEN, rand=r)
-        _same(ssm_pool[rest.to(DEV)], before[1][rest.to(DEV)], what="不在 slots 里的池行（ssm）", mistake=SLOT_WRITTEN, rand=r)
+        _same(conv_pool[rest.to(DEVICE)], before[0][rest.to(DEVICE)], what="不在 slots 里的池行（conv）", mistake=SLOT_WRITTEN, rand=r)
+        _same(ssm_pool[rest.to(DEVICE)], before[1][rest.to(DEVICE)], what="不在 slots 里的池行（ssm）", mistake=SLOT_WRITTEN, rand=r)
 
 
 @point("slot -1 的 padding 行不读不写池")
@@ -204,18 +198,18 @@ def test_decode_padding_rows():
     chosen = torch.randperm(num_slots - 1, generator=r.gen)[:len(live)] + 1  # slot 0 is never used
     slots = torch.full((batch,), -1, dtype=torch.int32)
     slots[live] = chosen.int()
-    slots = slots.to(DEV)
+    slots = slots.to(DEVICE)
     before = conv_all.clone(), ssm_all.clone()
     o = _call(m.gdn_decode, inp, conv_pool, ssm_pool, slots, s=s)
     live_inp = {k: (v[live] if k in ("mixed", "a", "b") else v) for k, v in inp.items()}
-    idx = chosen.to(DEV).long() + 1
+    idx = chosen.to(DEVICE).long() + 1
     ref_o, _, ref_ssm = _oracle_decode(m5, live_inp, before[0][idx], before[1][idx], s)
     what = f"gdn_decode（B={batch}，slots={slots.tolist()}）"
     _check(o[live], ref_o, what=f"{what} 有效行的输出", rand=r)
     _check(ssm_pool[idx - 1], ref_ssm, what=f"{what} 有效行的递推状态", rand=r)
     keep = torch.ones(num_slots + 1, dtype=torch.bool)
     keep[idx.cpu()] = False
-    keep = keep.to(DEV)
+    keep = keep.to(DEVICE)
     _same(conv_all[keep], before[0][keep], what=f"{what}：slot 0、池外的保护行与未用的 slot（conv）", mistake=SLOT_WRITTEN, rand=r)
     _same(ssm_all[keep], before[1][keep], what=f"{what}：slot 0、池外的保护行与未用的 slot（ssm）", mistake=SLOT_WRITTEN, rand=r)
 
@@ -230,7 +224,7 @@ def test_state_stays_fp32():
     inp["a"] = torch.full_like(inp["a"], float("-inf"))                   # softplus(-inf) = 0 -> g = 0
     inp["b"] = torch.full_like(inp["b"], float("-inf"))                   # sigmoid(-inf) = 0 -> beta = 0
     conv_pool, ssm_pool = _pools(r, batch + 1, s, torch.bfloat16)
-    slots = torch.randperm(batch + 1, generator=r.gen)[:batch].to(DEV, torch.int32)
+    slots = torch.randperm(batch + 1, generator=r.gen)[:batch].to(DEVICE, torch.int32)
     before = ssm_pool.clone()
     _call(m.gdn_decode, inp, conv_pool, ssm_pool, slots, s=s)
     _same(ssm_pool, before, what="gdn_decode（bf16，β=0、g=0）之后的递推状态", mistake=STATE_BF16, rand=r)
@@ -245,11 +239,11 @@ def test_state_stays_fp32():
 
     # beta = 0 with real decays: the state only decays, S_T = exp(sum g) * S_0, in fp32
     H, T = (s["nv"] if GPU else 1), lengths[1]
-    q = F.normalize(r.randn(1, T, H, s["dk"]), dim=-1).to(DEV, torch.bfloat16)
-    v = r.randn(1, T, H, s["dv"]).to(DEV, torch.bfloat16)
-    g = (-F.softplus(r.randn(1, T, H)) * 0.01).to(DEV)
-    h0 = r.randn(1, H, s["dk"], s["dv"]).to(DEV)
-    _, final = m.chunk_gated_delta_rule(q, q, v, g, torch.zeros(1, T, H, dtype=torch.bfloat16, device=DEV), h0)
+    q = F.normalize(r.randn(1, T, H, s["dk"]), dim=-1).to(DEVICE, torch.bfloat16)
+    v = r.randn(1, T, H, s["dv"]).to(DEVICE, torch.bfloat16)
+    g = (-F.softplus(r.randn(1, T, H)) * 0.01).to(DEVICE)
+    h0 = r.randn(1, H, s["dk"], s["dv"]).to(DEVICE)
+    _, final = m.chunk_gated_delta_rule(q, q, v, g, torch.zeros(1, T, H, dtype=torch.bfloat16, device=DEVICE), h0)
     expect = h0 * g.sum(1).exp()[0, :, None, None]
     if not close(final.cpu(), expect.cpu(), atol=1e-5, rtol=1e-5):
         assert_close(final.cpu(), expect.cpu(), what=f"chunk_gated_delta_rule（bf16，β=0，T={T}）的最终状态 exp(Σg)·S0",
@@ -268,7 +262,7 @@ def _rule_inputs(r: Rand, batch: int, steps: int, heads: int, dk: int, dv: int, 
     beta = r.randn(batch, steps, heads).sigmoid()
     state = r.randn(batch, heads, dk, dv, scale=0.5)
     q_unit, k, v, beta = (t.to(dtype).float() for t in (q_unit, k, v, beta))   # the oracle sees the rounded inputs
-    return [t.to(DEV) for t in (q_unit, k, v, g, beta, state)]
+    return [t.to(DEVICE) for t in (q_unit, k, v, g, beta, state)]
 
 
 def _wrong_rules(q_unit, k, v, g, beta, state):
@@ -344,7 +338,7 @@ def test_prefill_matches_m05():
         inp = _layer_inputs(r, sum(lengths), s, dtype)
         num_slots = len(lengths) + 2
         conv_pool, ssm_pool = _pools(r, num_slots, s, dtype)
-        slots = torch.randperm(num_slots, generator=r.gen)[:len(lengths)].to(DEV, torch.int32)
+        slots = torch.randperm(num_slots, generator=r.gen)[:len(lengths)].to(DEVICE, torch.int32)
         idx = slots.long()
         before = conv_pool.clone(), ssm_pool.clone()
         cu = _cu(lengths)
@@ -363,7 +357,7 @@ def test_prefill_matches_m05():
                mistakes=lambda: wrong(2))
         rest = torch.ones(num_slots, dtype=torch.bool)
         rest[idx.cpu()] = False
-        _same(ssm_pool[rest.to(DEV)], before[1][rest.to(DEV)], what="不在 slots 里的池行", mistake=SLOT_WRITTEN, rand=r)
+        _same(ssm_pool[rest.to(DEVICE)], before[1][rest.to(DEVICE)], what="不在 slots 里的池行", mistake=SLOT_WRITTEN, rand=r)
 
 
 def _hf_layer(r: Rand):
@@ -378,7 +372,7 @@ def _hf_layer(r: Rand):
     layer = r.init_(hf.Qwen3_5GatedDeltaNet(cfg, layer_idx=0).eval(), std=0.1)
     with torch.no_grad():
         layer.norm.weight.copy_(1.0 + r.randn(*layer.norm.weight.shape, scale=0.3))
-    return layer.to(DEV), cfg
+    return layer.to(DEVICE), cfg
 
 
 @point("gdn_prefill 与 HF Qwen3_5GatedDeltaNet 一致（多条打包序列，最终状态与 HF 缓存一致）")
@@ -388,11 +382,11 @@ def test_prefill_matches_hf_layer():
     L, cfg = _hf_layer(r)
     s = dict(nk=L.num_k_heads, nv=L.num_v_heads, dk=L.head_k_dim, dv=L.head_v_dim, K=cfg.linear_conv_kernel_dim)
     lengths = [r.int(1, 3), r.int(65, 70)] if not GPU else [r.int(1, 3), r.int(2000, 4000), r.int(65, 70)]
-    x = r.randn(sum(lengths), cfg.hidden_size).to(DEV)
+    x = r.randn(sum(lengths), cfg.hidden_size).to(DEVICE)
     cu = _cu(lengths)
     conv_pool, ssm_pool = _pools(r, len(lengths), s, torch.float32)
     conv_pool.zero_(), ssm_pool.zero_()                                   # the engine zeroes a slot at a prefill start
-    slots = torch.arange(len(lengths), device=DEV, dtype=torch.int32).flip(0)
+    slots = torch.arange(len(lengths), device=DEVICE, dtype=torch.int32).flip(0)
     with torch.no_grad():
         ab = torch.cat([L.in_proj_a(x), L.in_proj_b(x)], -1)
         o = m.gdn_prefill(L.in_proj_qkv(x), ab[:, :s["nv"]], ab[:, s["nv"]:], L.conv1d.weight[:, 0], L.A_log,
@@ -419,17 +413,17 @@ def test_prefill_then_decode():
     num_slots = len(lengths) + 1
     conv_full, ssm_full = (t.zero_() for t in _pools(r, num_slots, s, torch.float32))
     conv_step, ssm_step = conv_full.clone(), ssm_full.clone()
-    slots = torch.randperm(num_slots, generator=r.gen)[:len(lengths)].to(DEV, torch.int32)
+    slots = torch.randperm(num_slots, generator=r.gen)[:len(lengths)].to(DEVICE, torch.int32)
     full = _call(m.gdn_prefill, inp, _cu(lengths), conv_full, ssm_full, slots, s=s)
     bounds = _cu(lengths).tolist()
     cuts = [r.int(1, n - 2) for n in lengths]
     pieces = [[(a, a + c) for a, c in zip(bounds, cuts)], [(a + c, b - 1) for a, b, c in zip(bounds, bounds[1:], cuts)]]
     outs = []
     for piece in pieces:
-        rows = torch.cat([torch.arange(a, b) for a, b in piece]).to(DEV)
+        rows = torch.cat([torch.arange(a, b) for a, b in piece]).to(DEVICE)
         sub = {k: (v[rows] if k in ("mixed", "a", "b") else v) for k, v in inp.items()}
         outs.append(_call(m.gdn_prefill, sub, _cu([b - a for a, b in piece]), conv_step, ssm_step, slots, s=s))
-    last = torch.tensor(bounds[1:], device=DEV) - 1
+    last = torch.tensor(bounds[1:], device=DEVICE) - 1
     sub = {k: (v[last] if k in ("mixed", "a", "b") else v) for k, v in inp.items()}
     dec = _call(m.gdn_decode, sub, conv_step, ssm_step, slots, s=s)
     offsets = [0, 0]
@@ -457,7 +451,7 @@ def test_card_worked_example():
     v = torch.tensor([[1.0, 2.0], [2.0, -1.0], [3.0, 0.0]])
     g = torch.tensor([0.9, 0.5, 0.8]).log()
     beta = torch.tensor([0.5, 0.8, 0.5])
-    shaped = [t[None, :, None].to(DEV) for t in (q, k, v, g, beta)]           # B=1, T=3, H=1
+    shaped = [t[None, :, None].to(DEVICE) for t in (q, k, v, g, beta)]           # B=1, T=3, H=1
     o, s = m.chunk_gated_delta_rule(*shaped)
     ref_o = torch.tensor([[0.3536, 0.7071], [0.8372, -0.5883], [1.4512, -0.3576]])
     ref_s = torch.tensor([[1.9552, -0.0496], [0.9472, -0.6656]])
@@ -467,7 +461,7 @@ def test_card_worked_example():
 
     # two packed sequences [t1, t2] and [t3]: the second starts from S_2 (decay 0.8 applied to it first)
     s2 = torch.tensor([[1.138, -0.124], [1.184, -0.832]])
-    initial = torch.stack([torch.zeros(2, 2), s2])[:, None].to(DEV)        # [2, 1, 2, 2]
+    initial = torch.stack([torch.zeros(2, 2), s2])[:, None].to(DEVICE)        # [2, 1, 2, 2]
     o, s = m.chunk_gated_delta_rule(*shaped, initial_state=initial, cu_seqlens=_cu([2, 1]))
     assert_close(o[0, :, 0].cpu(), ref_o, what="卡片例子拆成两条序列（cu_seqlens=[0,2,3]，第二条从 S_2 出发）的输出",
                  atol=1e-4, rtol=0)
@@ -477,13 +471,13 @@ def test_card_worked_example():
     # decode through the pool: B=2, slots [2, -1]; 1 head, dk=dv=2, K=2, conv weight [0, 1] (window's newest only)
     mixed = torch.tensor([[3.0, 1.0, 1.0, 0.0, 1.0, -1.0], [9.0, 9.0, 9.0, 9.0, 9.0, 9.0]])
     weight = torch.tensor([[0.0, 1.0]] * 6)
-    conv_pool = torch.zeros(3, 6, 1, device=DEV)
-    ssm_pool = torch.stack([torch.full((1, 2, 2), 7.0), torch.full((1, 2, 2), 7.0), torch.zeros(1, 2, 2)]).to(DEV)
-    a = torch.full((2, 1), float("-inf"), device=DEV)                      # g = 0: no decay
-    b = torch.zeros(2, 1, device=DEV)                                      # beta = 0.5
-    zero = torch.zeros(1, device=DEV)                                      # A_log, dt_bias
-    o = m.gdn_decode(mixed.to(DEV), a, b, weight.to(DEV), zero, zero, conv_pool, ssm_pool,
-                     torch.tensor([2, -1], dtype=torch.int32, device=DEV), 1, 2, 2)
+    conv_pool = torch.zeros(3, 6, 1, device=DEVICE)
+    ssm_pool = torch.stack([torch.full((1, 2, 2), 7.0), torch.full((1, 2, 2), 7.0), torch.zeros(1, 2, 2)]).to(DEVICE)
+    a = torch.full((2, 1), float("-inf"), device=DEVICE)                      # g = 0: no decay
+    b = torch.zeros(2, 1, device=DEVICE)                                      # beta = 0.5
+    zero = torch.zeros(1, device=DEVICE)                                      # A_log, dt_bias
+    o = m.gdn_decode(mixed.to(DEVICE), a, b, weight.to(DEVICE), zero, zero, conv_pool, ssm_pool,
+                     torch.tensor([2, -1], dtype=torch.int32, device=DEVICE), 1, 2, 2)
     x = F.silu(torch.tensor([3.0, 1.0, 1.0, 0.0, 1.0, -1.0]))              # q, k, v after conv + silu
     u = 0.5 * x[4:]                                                        # S0 = 0: u = beta * v
     q_n = x[:2] / x[:2].norm() * 2 ** -0.5
@@ -500,7 +494,7 @@ def test_card_worked_example():
 
 # ---------------------------------------------------------------------------------------------- GPU only
 
-@needs_gpu
+@needs_cuda
 @point("GPU：T=32k 的单条长序列（bf16 输入、fp32 状态、从池中状态出发）与 m05 一致")
 def test_gpu_long_prefill():
     m, m5 = impl(MODULE), impl("m05_gated_deltanet")
@@ -509,7 +503,7 @@ def test_gpu_long_prefill():
     lengths = [32768 - r.int(1, 63)]
     inp = _layer_inputs(r, lengths[0], s, torch.bfloat16)
     conv_pool, ssm_pool = _pools(r, 2, s, torch.bfloat16)
-    slots = torch.tensor([1], dtype=torch.int32, device=DEV)
+    slots = torch.tensor([1], dtype=torch.int32, device=DEVICE)
     before = conv_pool.clone(), ssm_pool.clone()
     cu = _cu(lengths)
     o = _call(m.gdn_prefill, inp, cu, conv_pool, ssm_pool, slots, s=s)
@@ -519,7 +513,7 @@ def test_gpu_long_prefill():
     _same(ssm_pool[:1], before[1][:1], what="slot 0（未使用）", mistake=SLOT_WRITTEN, rand=r)
 
 
-@needs_gpu
+@needs_cuda
 @point("GPU：decode 可被 CUDA graph 捕获并重放（无 host 同步）")
 def test_gpu_decode_cuda_graph():
     m, m5 = impl(MODULE), impl("m05_gated_deltanet")
@@ -528,7 +522,7 @@ def test_gpu_decode_cuda_graph():
     batch = 32
     inp = _layer_inputs(r, batch, s, torch.bfloat16)
     conv_pool, ssm_pool = _pools(r, batch + 4, s, torch.bfloat16)
-    slots = torch.randperm(batch + 4, generator=r.gen)[:batch].to(DEV, torch.int32)
+    slots = torch.randperm(batch + 4, generator=r.gen)[:batch].to(DEVICE, torch.int32)
     _call(m.gdn_decode, inp, conv_pool.clone(), ssm_pool.clone(), slots, s=s)          # compile outside the graph
     torch.cuda.synchronize()
     before = conv_pool.clone(), ssm_pool.clone()
