@@ -81,11 +81,11 @@ def pick_block_m(num_pairs: int, num_experts: int) -> int:
 def _tiles(block_m: int, dtype: torch.dtype) -> dict:
     """BLOCK_N, BLOCK_K, launch options (H200 target) and the dot precision: fp32 inputs stay IEEE, not TF32."""
     precision = "ieee" if dtype == torch.float32 else "tf32"      # tf32 is the default; ignored for bf16/fp16
-    if block_m == 16:   # small decode batches: few blocks, so narrow tiles to keep every SM streaming weights
-        return dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4, PRECISION=precision)
-    if block_m == 32:   # decode around batch 256: about one block per expert, each expert's weights read once
-        return dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, PRECISION=precision)
     stages = 2 if dtype == torch.float32 else 4                # fp32 tiles are twice as big in shared memory
+    if block_m == 16:   # small decode batches: few blocks, so narrow tiles to keep every SM streaming weights
+        return dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=stages, PRECISION=precision)
+    if block_m == 32:   # decode around batch 256: about one block per expert, each expert's weights read once
+        return dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=stages, PRECISION=precision)
     if block_m == 64:
         return dict(BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=stages, PRECISION=precision)
     return dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=min(stages, 3), PRECISION=precision)
