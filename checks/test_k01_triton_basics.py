@@ -9,7 +9,6 @@ tokens in bf16 (skipped, never passed, without a GPU).
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from checks.kit import DEVICE, Rand, assert_close, assert_equal, impl, needs_cuda, point, to_cpu, to_dev
@@ -206,7 +205,6 @@ def test_card_example():
 
 
 @needs_cuda
-@pytest.mark.timeout(300)
 @point("原生 CUDA：8k token 的 bf16 store_kvcache 与 add_rms_norm")
 def test_native_cuda_bf16():
     m = impl(MODULE)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import pytest
 import torch
 
 from checks.kit import Rand, assert_close, impl, needs_cuda, point, to_cpu, to_dev
@@ -319,7 +318,6 @@ def test_drop_in_module():
 # ------------------------------------------------------------------------------------------------ native CUDA
 
 @needs_cuda
-@pytest.mark.timeout(600)
 @point("原生 CUDA：bf16 prefill（64 条序列、head_dim 128/256、带前缀）")
 def test_native_cuda_prefill():
     m = impl(MODULE)
@@ -340,7 +338,6 @@ def test_native_cuda_prefill():
 
 
 @needs_cuda
-@pytest.mark.timeout(600)
 @point("原生 CUDA：bf16 decode（batch 256、context 到 32k、head_dim 256）")
 def test_native_cuda_decode():
     m = impl(MODULE)
