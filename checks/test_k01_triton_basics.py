@@ -12,12 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checks.kit import (DEVICE, Rand, assert_close, assert_equal, gpu_compile_timeout, impl, needs_cuda, point,
-                        to_cpu, to_dev)
+from checks.kit import DEVICE, Rand, assert_close, assert_equal, impl, needs_cuda, point, to_cpu, to_dev
 
 MODULE = "k01_triton_basics"
 torch.set_num_threads(1)
-pytestmark = gpu_compile_timeout
 
 M_SLOT_NEG = "slot = −1 的填充行也写了（应整行跳过：if slot < 0: return）"
 M_STRIDE = "把 k/v 当成连续张量（token 步长写成 nKV·D）：从 qkv 切出的 k/v 是非连续 view，应传 k.stride(0)"

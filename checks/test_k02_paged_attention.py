@@ -14,11 +14,10 @@ import dataclasses
 import pytest
 import torch
 
-from checks.kit import Rand, assert_close, gpu_compile_timeout, impl, needs_cuda, point, to_cpu, to_dev
+from checks.kit import Rand, assert_close, impl, needs_cuda, point, to_cpu, to_dev
 
 MODULE = "k02_paged_attention"
 torch.set_num_threads(1)
-pytestmark = gpu_compile_timeout
 
 M_TOP_LEFT = "有缓存前缀时 causal mask 左上对齐（j ≤ i）：应右下对齐，query i 看得到 key j ≤ (Lk − Lq) + i"
 M_GQA = "GQA 头映射写成 h % nKV（平铺）：query head h 应读 kv head h // (nH / nKV)"

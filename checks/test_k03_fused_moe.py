@@ -1,29 +1,23 @@
 """Checks for K03 · Fused MoE (lessons/k03_fused_moe.md).
 
 Oracles: m03's moe_forward (the per-expert torch loop) and HF transformers 5.17.0's sparse MoE blocks.
-Without CUDA the kernels run in Triton's interpreter (TRITON_INTERPRET=1, fp32, tiny shapes); with CUDA
-they run natively, and the real-shape bf16 check runs too (without CUDA it is reported as skipped).
+Every check runs the kernels on checks.kit.DEVICE: without CUDA in Triton's interpreter (checks/conftest.py sets
+TRITON_INTERPRET=1; fp32, tiny shapes), with CUDA natively; inputs are drawn on the CPU (Rand) and moved to
+DEVICE. With CUDA the real-shape bf16 check runs too (without CUDA it is reported as skipped).
 """
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
+import torch.nn.functional as F
+from transformers import Qwen3_5MoeTextConfig
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")   # must be set before triton is first imported
-
-import pytest  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from transformers import Qwen3_5MoeTextConfig  # noqa: E402
-from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock  # noqa: E402
-
-from checks import oracles  # noqa: E402
-from checks.kit import Rand, assert_close, assert_dtype, assert_equal, explain_crash, impl, point  # noqa: E402
+from checks import oracles
+from checks.kit import DEVICE, Rand, assert_close, assert_dtype, assert_equal, explain_crash, impl, point
 
 MODULE = "k03_fused_moe"
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CRASHES = {
     "'NoneType' object has no attribute": "忘了 w.shared is None（thinker / Qwen3-MoE 没有 shared expert）时跳过",
     "Host synchronization": "decode 路径里有 host 同步（.item() / .tolist() / 依赖数据的形状），进不了 CUDA graph",
@@ -223,7 +217,7 @@ def test_static_shapes_no_sync():
                                  f"BLOCK_M 决定（固定上界），否则要 host 同步、进不了 CUDA graph；{r}\n"
                                  "  看起来像易错点：按实际 num_tokens_post_padded 截断（.item() / .tolist()），decode 路径有 host 同步")
         assert_dtype(ta, torch.int32, what=f"{name} 的 dtype")
-    if DEVICE == "cuda":                                          # the real thing: no sync anywhere in fused_experts
+    if DEVICE.type == "cuda":                                     # the real thing: no sync anywhere in fused_experts
         w_gate = torch.randn(experts, 32, 16, device="cuda")
         x, weights = torch.randn(n_tok, 16, device="cuda"), torch.rand(n_tok, k, device="cuda")
         torch.cuda.synchronize()
@@ -350,7 +344,7 @@ def test_real_shapes_cuda():
     m03 = impl("m03_sparse_moe")
     with explain_crash(CRASHES):                                  # an untouched stub is 未实现 here too
         m.moe_align_block_size(torch.tensor([[0, 1]], device=DEVICE), 2, 16)
-    if DEVICE != "cuda":
+    if DEVICE.type != "cuda":
         pytest.skip("需要 GPU：没有 CUDA，真实形状的 bf16 检查没有运行")
     r = Rand()
     gen = torch.Generator(device="cuda").manual_seed(r.seed)

@@ -18,11 +18,10 @@ import transformers
 from transformers import DynamicCache, Qwen3_5TextConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-from checks.kit import DEVICE, TOL, Rand, assert_close, close, gpu_compile_timeout, impl, needs_cuda, point
+from checks.kit import DEVICE, TOL, Rand, assert_close, close, impl, needs_cuda, point
 
 MODULE = "k04_gdn_kernels"
 GPU = DEVICE.type == "cuda"                        # real shapes and bf16 natively; tiny fp32 shapes in the interpreter
-pytestmark = gpu_compile_timeout
 transformers.utils.logging.set_verbosity_error()
 
 HF_CHUNK = getattr(hf.torch_chunk_gated_delta_rule, "__wrapped__", hf.torch_chunk_gated_delta_rule)

@@ -11,10 +11,12 @@ your own Python (started in the repository's root):
     m01, m05 = use(mine=["m01", "m05"])  # the same as use("m01", "m05")
 
 Each call starts over: files loaded before are dropped, so running the line again picks up your edits.
+Without CUDA, Track K's Triton kernels run in Triton's interpreter, as in the checks (checks/conftest.py).
 """
 
 from __future__ import annotations
 
+import os
 import types
 
 from . import registry, select
@@ -38,6 +40,10 @@ def use(*exercises: str, mine: str | list[str] | tuple[str, ...] = ()) -> types.
     also = [_exercise(e) for e in extra]
     if not wanted and not also:
         raise TypeError('use() 需要至少一个练习编号，例如 use("m05") 或 use(mine=["m01", "m05"])')
+    if any(ex.track == "K" for ex in wanted + also):
+        import torch
+        if not torch.cuda.is_available():                  # read when a kernel is defined: before the load below
+            os.environ.setdefault("TRITON_INTERPRET", "1")
     selection = {"default": "solutions"}
     selection.update({ex.module: "mine" for ex in wanted + also})
     select.use(selection)
