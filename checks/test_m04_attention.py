@@ -28,6 +28,11 @@ torch.set_num_threads(1)
 # the card's 易错点, as the failure messages name them
 M_PACK = "把整个 pack 当成一条序列做 causal：attention 跨序列了（应按 cu_seqlens 逐序列，序列之间互不可见）"
 M_TOP_LEFT = "cached prefix 时 causal mask 左上对齐（j ≤ i）：应右下对齐，query i 看得到 key j ≤ (Lk − Lq) + i"
+M_OFFSET_TOTAL = ("causal 对角线的偏移用了整个 pack 的 Nk − Nq：偏移要逐序列算，"
+                  "序列 b 是 Lk_b − Lq_b（没有 cached prefix 的序列偏移是 0）")
+M_OFFSET_MAX = ("causal 对角线的偏移用了 max_seqlen_k − max_seqlen_q：偏移要逐序列算，"
+                "序列 b 是 Lk_b − Lq_b（没有 cached prefix 的序列偏移是 0）")
+M_KEYS_AT_Q = "k / v 用 cu_seqlens_q 切了：key 的行要用 cu_seqlens_k 切（有 cached prefix 时 Lk > Lq，前缀的 key 在前）"
 M_REPEAT = "GQA 用了 repeat（平铺：head h 读 kv head h % nKV），应为 repeat_interleave（head h 读 kv head h // g）"
 M_NO_NORM = "漏了 q_norm / k_norm（每个 head 在 D 上做 RMSNorm）"
 M_NORM_AFTER = "q_norm / k_norm 放在了 RoPE 之后（应先 norm 再 RoPE）"
@@ -51,16 +56,24 @@ CRASHES = {
 
 # ----------------------------------------------------------------------------------------------- naive oracle
 
-def naive_varlen(q, k, v, lens_q, lens_k, scale, *, kv_head=lambda h, g, n_kv: h // g, bottom_right=True):
-    """Per sequence, per head: softmax(q k^T * scale + causal mask) v in fp64. Returns [Nq, nH, D] fp32."""
+def naive_varlen(q, k, v, lens_q, lens_k, scale, *, kv_head=lambda h, g, n_kv: h // g, bottom_right=True,
+                 offset=None, keys_at_q=False):
+    """Per sequence, per head: softmax(q k^T * scale + causal mask) v in fp64. Returns [Nq, nH, D] fp32.
+
+    Classic mistakes: bottom_right=False (top-left mask), offset=<int> (one diagonal offset for every
+    sequence), keys_at_q (keys and values sliced with cu_seqlens_q: Lk = Lq, the prefix never read).
+    """
     n_heads, n_kv = q.shape[1], k.shape[1]
     g = n_heads // n_kv
     out = torch.zeros(q.shape, dtype=torch.float64)
     q0 = k0 = 0
     for lq, lk in zip(lens_q, lens_k):
+        if keys_at_q:
+            k0, lk = q0, lq
         i = torch.arange(lq)[:, None]
         j = torch.arange(lk)[None, :]
-        visible = j <= i + (lk - lq if bottom_right else 0)
+        shift = offset if offset is not None else (lk - lq if bottom_right else 0)
+        visible = j <= i + shift
         for h in range(n_heads):
             kh = k[k0:k0 + lk, kv_head(h, g, n_kv)].double()
             vh = v[k0:k0 + lk, kv_head(h, g, n_kv)].double()
@@ -223,10 +236,13 @@ def test_varlen_matches_naive_with_prefix():
     r = Rand()
     kv_heads, group, d = r.int(1, 3), r.int(1, 3), r.choice([4, 8, 16])
     heads = kv_heads * group
-    lens_q = [r.int(1, 6) for _ in range(r.int(2, 4))]
-    lens_k = [n + r.choice([0, r.int(1, 5)]) for n in lens_q]             # some sequences have a cached prefix
-    lens_q[r.int(0, len(lens_q) - 1)] = 1                                  # a decode-like step
-    lens_k[0] = lens_q[0] + r.int(1, 5)                                    # at least one prefix for sure
+    # a layout where the offset mistakes all disagree: one sequence without a prefix, two with different
+    # prefixes, so Nk - Nq, max_seqlen_k - max_seqlen_q and each sequence's Lk - Lq are different numbers
+    a = r.int(2, 3)
+    b_q, c_q = r.int(1, 3), r.int(2, 4)
+    layout = [(a, a), (b_q, b_q + r.int(4, 6)), (c_q, c_q + r.int(1, 2))] + [(1, 1 + r.int(0, 5))] * r.int(0, 1)
+    r.py.shuffle(layout)
+    lens_q, lens_k = [lq for lq, _ in layout], [lk for _, lk in layout]
     q = r.randn(sum(lens_q), heads, d)
     k = r.randn(sum(lens_k), kv_heads, d)
     v = r.randn(sum(lens_k), kv_heads, d)
@@ -235,6 +251,9 @@ def test_varlen_matches_naive_with_prefix():
     looks_like = [
         (naive_varlen(q, k, v, [sum(lens_q)], [sum(lens_k)], scale), M_PACK),
         (naive_varlen(q, k, v, lens_q, lens_k, scale, bottom_right=False), M_TOP_LEFT),
+        (naive_varlen(q, k, v, lens_q, lens_k, scale, offset=sum(lens_k) - sum(lens_q)), M_OFFSET_TOTAL),
+        (naive_varlen(q, k, v, lens_q, lens_k, scale, offset=max(lens_k) - max(lens_q)), M_OFFSET_MAX),
+        (naive_varlen(q, k, v, lens_q, lens_k, scale, keys_at_q=True), M_KEYS_AT_Q),
         (naive_varlen(q, k, v, lens_q, lens_k, scale, kv_head=lambda h, g, n: h % n) if group > 1 else None, M_REPEAT),
     ]
     with explain_crash(CRASHES):
@@ -464,7 +483,9 @@ def test_card_varlen_example():
         out = m.varlen_attention(EX_Q, EX_K, EX_V, torch.tensor(EX_CU_Q, dtype=torch.int32),
                                  torch.tensor(EX_CU_K, dtype=torch.int32), 2 ** -0.5)
     assert_close(out, EX_OUT, what="卡片逐步图 1 的输出", atol=EX_ATOL, rtol=0,
-                 looks_like=[(EX_OUT_PACK, M_PACK), (EX_OUT_TOP_LEFT, M_TOP_LEFT)])
+                 looks_like=[(EX_OUT_PACK, M_PACK),
+                             (EX_OUT_TOP_LEFT, "cached prefix 时 causal mask 左上对齐（j ≤ i），或 k / v 用 cu_seqlens_q 切了"
+                              "（在这个例子里两者结果相同）：k / v 用 cu_seqlens_k 切，序列 b 的 query i 看得到 key j ≤ (Lk_b − Lq_b) + i")])
 
 
 @point("卡片例子：单 token 的 GatedAttention（per-head gate）")

@@ -76,4 +76,15 @@ PLANTS = [
           new="        self.q_norm = RMSNorm(head_dim, rms_norm_eps)\n"
               "        self.k_norm = RMSNorm(head_dim, rms_norm_eps)\n",
           expect="普通 RMSNorm"),
+    Plant("offset_from_pack_totals", "causal 偏移用了整个 pack 的 Nk − Nq",
+          old="tril(len_k - len_q)", new="tril(starts_k[-1] - starts_q[-1])",
+          expect="Nk − Nq"),
+    Plant("offset_from_max_seqlen", "causal 偏移用了 max_seqlen_k − max_seqlen_q",
+          old="tril(len_k - len_q)",
+          new="tril(max(y - x for x, y in zip(starts_k, starts_k[1:])) - max(y - x for x, y in zip(starts_q, starts_q[1:])))",
+          expect="max_seqlen_k − max_seqlen_q"),
+    Plant("keys_sliced_with_cu_q", "k / v 用 cu_seqlens_q 切",
+          old="        q0, q1, k0, k1 = starts_q[b], starts_q[b + 1], starts_k[b], starts_k[b + 1]\n",
+          new="        q0, q1 = starts_q[b], starts_q[b + 1]\n        k0, k1 = q0, q1\n",
+          expect="用 cu_seqlens_q 切了"),
 ]
