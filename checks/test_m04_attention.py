@@ -11,12 +11,11 @@ import copy
 
 import torch
 import transformers  # noqa: F401  (imported once per grading process)
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Qwen3Config, Qwen3_5TextConfig
 from transformers.models.qwen3 import modeling_qwen3 as hf_qwen3
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen3_5
 
-from checks.kit import TOL, Rand, assert_close, assert_dtype, explain_crash, impl, point
+from checks.kit import TOL, OpCount, Rand, assert_close, assert_dtype, explain_crash, impl, point
 
 MODULE = "m04_attention"
 BF16 = torch.bfloat16
@@ -292,16 +291,6 @@ def test_gqa_grouping():
                  rand=r, looks_like=[(tiled, M_REPEAT)])
 
 
-class _OpCount(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 @point("按序列计算，不逐 token 循环")
 def test_no_loop_over_tokens():
     m = impl(MODULE)
@@ -311,7 +300,7 @@ def test_no_loop_over_tokens():
     for length in (4, 40):                        # same number of sequences, 10x the tokens
         lens = [length, length]
         q, k, v = r.randn(2 * length, heads, d), r.randn(2 * length, kv_heads, d), r.randn(2 * length, kv_heads, d)
-        log = _OpCount()
+        log = OpCount()
         with explain_crash(CRASHES), torch.no_grad(), log:
             out = m.varlen_attention(q, k, v, _cu(lens), _cu(lens), d ** -0.5)
         assert_close(out, naive_varlen(q, k, v, lens, lens, d ** -0.5), what=f"varlen_attention（lens={lens}）", rand=r)

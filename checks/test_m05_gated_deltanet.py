@@ -14,9 +14,8 @@ import torch.nn.functional as F
 import transformers
 from transformers import DynamicCache, Qwen3_5TextConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from checks.kit import TOL, Rand, assert_close, assert_dtype, close, explain_crash, impl, point
+from checks.kit import TOL, OpCount, Rand, assert_close, assert_dtype, close, explain_crash, impl, point
 
 MODULE = "m05_gated_deltanet"
 transformers.utils.logging.set_verbosity_error()
@@ -373,18 +372,6 @@ def test_chunk_matches_hf_and_recurrent():
                  rand=r, atol=1e-6, rtol=2 ** -7)
 
 
-class _OpCount(TorchDispatchMode):
-    """Counts every torch operator that runs inside it."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 @point("分块形式真的分块：块内不逐 token 循环")
 def test_chunk_is_chunked():
     m = impl(MODULE)
@@ -393,7 +380,7 @@ def test_chunk_is_chunked():
     counts = []
     for size in (4, 32):                       # one chunk each: 8x the tokens, the same number of chunks
         _, q, k, v, g, beta, state = _rule_inputs(r, 1, size, heads, dk, dv)
-        log = _OpCount()
+        log = OpCount()
         with torch.no_grad(), log:
             o, s = m.chunk_gated_delta_rule(q, k, v, g, beta, state.clone(), chunk_size=size)
         rec_o, rec_s = m.recurrent_gated_delta_rule(q, k, v, g, beta, state.clone())
