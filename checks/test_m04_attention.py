@@ -44,6 +44,7 @@ M_FLAT_GATE = "q_proj 输出按 [全部 query | 全部 gate] 切开了：应按 
 M_GATE_AFTER = "gate 乘在了 o_proj 之后：应先 o * sigmoid(gate)（[N, nH·D]）再 o_proj"
 M_GATE_RAW = "gate 没过 sigmoid：应为 o * sigmoid(gate)"
 M_PLAIN_NORM = "gated attention 的 q/k norm 用了普通 RMSNorm（乘 w）：Qwen3.5 的 q_norm / k_norm 是 (1+w) 的 GemmaRMSNorm"
+M_NORM_EPS = "q_norm / k_norm 没有用传入的 rms_norm_eps（用了默认的 1e-6）"
 M_GEMMA_IN_QWEN3 = "Qwen3 的 q/k norm 用了 (1+w) 的 GemmaRMSNorm：Qwen3 是普通 RMSNorm（乘 w）"
 
 CRASHES = {
@@ -92,10 +93,15 @@ def _cu(lens: list[int]) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------------- HF oracles
 
+def _eps(r: Rand) -> float:
+    """q/k-norm eps: never the default 1e-6, large enough to change the result (a norm that ignores it fails)."""
+    return r.choice([0.05, 0.1])
+
+
 def _qwen3(r: Rand, hidden: int, heads: int, kv_heads: int, head_dim: int):
     cfg = Qwen3Config(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
                       head_dim=head_dim, num_hidden_layers=1, max_position_embeddings=64,
-                      rope_theta=r.choice([1e4, 1e6]), rms_norm_eps=1e-6, attn_implementation="eager")
+                      rope_theta=r.choice([1e4, 1e6]), rms_norm_eps=_eps(r), attn_implementation="eager")
     hf = r.init_(hf_qwen3.Qwen3Attention(cfg, layer_idx=0).eval())
     with torch.no_grad():                                  # RMSNorm weights around 1 (HF starts them at 1)
         hf.q_norm.weight.copy_(1.0 + r.randn(head_dim, scale=0.3))
@@ -107,7 +113,7 @@ def _qwen3_5(r: Rand, hidden: int, heads: int, kv_heads: int, head_dim: int):
     # partial_rotary_factor defaults to 0.25 (G-4); mrope_section defaults to [11, 11, 10]
     cfg = Qwen3_5TextConfig(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
                             head_dim=head_dim, num_hidden_layers=1, layer_types=["full_attention"],
-                            max_position_embeddings=64, rms_norm_eps=1e-6, attn_implementation="eager")
+                            max_position_embeddings=64, rms_norm_eps=_eps(r), attn_implementation="eager")
     hf = r.init_(hf_qwen3_5.Qwen3_5Attention(cfg, layer_idx=0).eval())
     with torch.no_grad():                                  # (1+w) norms: w around 0 (HF starts them at 0)
         hf.q_norm.weight.copy_(r.randn(head_dim, scale=0.3))
@@ -189,6 +195,14 @@ def _shifted_norms(hf, delta: float):
     with torch.no_grad():
         other.q_norm.weight.add_(delta)
         other.k_norm.weight.add_(delta)
+    return other
+
+
+def _default_eps_norms(hf):
+    """A copy of hf whose q/k norms use eps 1e-6 (the mistake of not passing rms_norm_eps on)."""
+    other = copy.deepcopy(hf)
+    for norm in (other.q_norm, other.k_norm):
+        setattr(norm, "variance_epsilon" if hasattr(norm, "variance_epsilon") else "eps", 1e-6)
     return other
 
 
@@ -325,6 +339,7 @@ def test_qwen3_attention_matches_hf():
         (hf_variant(cfg, hf, x, lens, False, norm="after"), M_NORM_AFTER),
         (hf_variant(cfg, hf, x, lens, False, scale=1.0 / s["head_dim"]), M_SCALE_D),
         (hf_packed(cfg, _shifted_norms(hf, 1.0), x, lens, gated=False), M_GEMMA_IN_QWEN3),
+        (hf_packed(cfg, _default_eps_norms(hf), x, lens, gated=False), M_NORM_EPS),
     ]
     with explain_crash(CRASHES):
         mine = m.Qwen3Attention(s["hidden"], s["heads"], s["kv_heads"], s["head_dim"], cfg.rms_norm_eps,
@@ -425,6 +440,7 @@ def test_gated_attention_matches_hf():
         (hf_variant(cfg, hf, x, lens, True, norm="none"), M_NO_NORM),
         (hf_variant(cfg, hf, x, lens, True, norm="after"), M_NORM_AFTER),
         (hf_variant(cfg, hf, x, lens, True, whole_pack=True), M_PACK),
+        (hf_packed(cfg, _default_eps_norms(hf), x, lens, gated=True), M_NORM_EPS),
     ]
     with explain_crash(CRASHES):
         mine = m.GatedAttention(s["hidden"], s["heads"], s["kv_heads"], s["head_dim"], cfg.rms_norm_eps,

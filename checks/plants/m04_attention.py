@@ -87,4 +87,8 @@ PLANTS = [
           old="        q0, q1, k0, k1 = starts_q[b], starts_q[b + 1], starts_k[b], starts_k[b + 1]\n",
           new="        q0, q1 = starts_q[b], starts_q[b + 1]\n        k0, k1 = q0, q1\n",
           expect="用 cu_seqlens_q 切了"),
+    Plant("qk_norm_default_eps", "q_norm / k_norm 没有用传入的 rms_norm_eps",
+          old="        self.q_norm = RMSNorm(head_dim, rms_norm_eps)\n        self.k_norm = RMSNorm(head_dim, rms_norm_eps)\n",
+          new="        self.q_norm = RMSNorm(head_dim)\n        self.k_norm = RMSNorm(head_dim)\n",
+          expect="rms_norm_eps"),
 ]
