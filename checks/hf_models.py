@@ -32,30 +32,50 @@ transformers.utils.logging.set_verbosity_error()
 FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_omni_moe_text")
 
 
-def tiny_config(family: str, r: Rand, vocab: int = 96, tie: bool = False, layers: int | None = None):
-    """A tiny fp32 eager config; sizes vary with the seed. Hybrids get layer_types with a full-attention layer."""
+def tiny_config(family: str, r: Rand, vocab: int = 96, tie: bool = False, layers: int | None = None,
+                hard: bool = False):
+    """A tiny fp32 eager config; sizes vary with the seed. Hybrids get layer_types with a full-attention layer.
+
+    hard=True (the m06 checks): no behaviour-changing value sits at its default, so a loader or model that
+    ignores one fails on every run: rms_norm_eps large enough to matter, head_dim != hidden / heads, a
+    non-default rope_theta, decoder_sparse_step 2 with mlp_only_layers, nk != nv and dk != dv (dk < dv in
+    qwen3_5_text, dk > dv in qwen3_5_moe_text), a conv kernel other than 4, norm_topk_prob False (qwen3_moe)
+    and True (Omni thinker).
+    """
     heads, kv = r.choice([(4, 2), (4, 1), (2, 2)])
     head_dim = r.choice([8, 16])
     hidden = r.choice([32, 48])
+    if hard and head_dim == hidden // heads:
+        head_dim = 24 - head_dim                    # the other of 8 / 16: never hidden // heads
+    theta = r.choice([5e4, 3e6]) if hard else 1e6
     base = dict(vocab_size=vocab, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv,
-                head_dim=head_dim, max_position_embeddings=512, rms_norm_eps=1e-6, attn_implementation="eager")
+                head_dim=head_dim, max_position_embeddings=512, rms_norm_eps=r.choice([1e-2, 3e-2]) if hard else 1e-6,
+                attn_implementation="eager")
     moe = dict(num_experts=r.int(4, 8), num_experts_per_tok=2, moe_intermediate_size=r.choice([16, 24]),
                experts_implementation="eager")
     if family == "qwen3":
-        return Qwen3Config(intermediate_size=64, num_hidden_layers=layers or 2, rope_theta=1e6,
+        return Qwen3Config(intermediate_size=64, num_hidden_layers=layers or 2, rope_theta=theta,
                            tie_word_embeddings=tie, **base)
     if family == "qwen3_moe":
         # layer 0 dense (mlp_only_layers), the rest MoE; renormalisation off (the Qwen3MoeConfig default)
+        if hard:   # layers 0..3; sparse step 2 -> layers 1 and 3; mlp_only_layers -> layer 3 dense again
+            return Qwen3MoeConfig(intermediate_size=64, num_hidden_layers=layers or 4, rope_theta=theta,
+                                  norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=[3],
+                                  tie_word_embeddings=tie, **base, **moe)
         return Qwen3MoeConfig(intermediate_size=64, num_hidden_layers=layers or 3, rope_theta=1e6,
                               norm_topk_prob=False, mlp_only_layers=[0], tie_word_embeddings=tie, **base, **moe)
     if family == "qwen3_omni_moe_text":
-        return Qwen3OmniMoeTextConfig(intermediate_size=64, num_hidden_layers=layers or 2,
-                                      rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+        return Qwen3OmniMoeTextConfig(intermediate_size=64, num_hidden_layers=layers or 2, norm_topk_prob=True,
+                                      rope_parameters={"rope_type": "default", "rope_theta": theta,
                                                        "mrope_section": _section(head_dim)}, **base, **moe)
     lin = dict(linear_num_key_heads=2, linear_num_value_heads=r.choice([2, 4]), linear_key_head_dim=8,
                linear_value_head_dim=r.choice([8, 16]), linear_conv_kernel_dim=4,
                layer_types=(["linear_attention", "full_attention", "linear_attention"])[:layers or 3])
-    rope = {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5,
+    if hard:
+        dk, dv = (8, 16) if family == "qwen3_5_text" else (16, 8)
+        lin.update(linear_num_value_heads=4, linear_key_head_dim=dk, linear_value_head_dim=dv,
+                   linear_conv_kernel_dim=r.choice([2, 3, 5]))
+    rope = {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": 0.5,
             "mrope_section": _section(head_dim // 2)}
     if family == "qwen3_5_text":
         return Qwen3_5TextConfig(intermediate_size=64, num_hidden_layers=len(lin["layer_types"]),

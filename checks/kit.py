@@ -19,6 +19,7 @@ import types
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from course import select
 
@@ -176,3 +177,15 @@ def explain_crash(patterns: dict[str, str]):
             if fragment in text:
                 raise AssertionError(f"运行出错：{type(exc).__name__}: {text}\n  看起来像易错点：{mistake}") from exc
         raise
+
+
+class OpCount(TorchDispatchMode):
+    """Counts every torch operator that runs inside it (a loop over tokens shows up as a count that grows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))

@@ -43,6 +43,14 @@ M_GATED_SIGMOID = "RMSNormGated 用了 sigmoid(z) 而不是 silu(z) = z·sigmoid
 M_PRE_RES = "fused 形式返回了相加前的 residual（应返回 x + residual）"
 M_PRE_X = "fused 形式返回了相加前的 x（应返回 x + residual）"
 M_NORM_X = "fused 形式对相加前的 x 做了 norm（应 norm(x + residual)）"
+M_RES_FP32 = "residual 在 fp32 里相加并以 fp32 返回：HF 与 vLLM 都在 x.dtype 里做 x + residual，返回的 residual 也是 x.dtype"
+M_FP32_SUM = "在 fp32 里相加后对未舍入的和做 norm（nano-vllm 的写法）；HF 先在 x.dtype 里相加，再对舍入后的和做 norm"
+M_SELF_EPS = "模块没有用构造时传入的 eps（self.eps），用了默认的 1e-6"
+
+
+def _eps(r: Rand) -> float:
+    """Never the default 1e-6, and large enough that the tiny rows of _rows change with it."""
+    return r.choice([1e-4, 3e-4, 1e-3])
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -85,7 +93,7 @@ def _wrong_cores(x: torch.Tensor, eps: float) -> list[tuple[torch.Tensor, str]]:
             ((h - h.mean(-1, keepdim=True)) * torch.rsqrt(h.var(-1, unbiased=False, keepdim=True) + eps), M_LN)]
 
 
-def _assert_bf16(actual, expected: torch.Tensor, *, what: str, r: Rand, looks_like=()) -> None:
+def _assert_bf16(actual, expected: torch.Tensor, *, what: str, r: Rand, looks_like=(), dtype_mistake: str = "") -> None:
     """Bit-level bf16 comparison.
 
     Equal bits are required, except that at most 1 % of the elements may sit one bf16 ulp away: that is what
@@ -93,7 +101,7 @@ def _assert_bf16(actual, expected: torch.Tensor, *, what: str, r: Rand, looks_li
     and then). A wrong cast order changes about a quarter of the elements, so it never hides in that slack.
     """
     if isinstance(actual, torch.Tensor):
-        assert_dtype(actual, expected.dtype, what=what, mistake=looks_like[0][1] if looks_like else "")
+        assert_dtype(actual, expected.dtype, what=what, mistake=dtype_mistake)
     if isinstance(actual, torch.Tensor) and actual.shape == expected.shape:
         a, e = actual.view(torch.int16).int(), expected.view(torch.int16).int()
         differ = a != e
@@ -114,7 +122,7 @@ def test_qwen3_rmsnorm_matches_hf():
     assert_close(out, EX_QWEN3, what="逐步图 rms_norm(x, w, 1e-6)", atol=EX_ATOL, rtol=0,
                  looks_like=[(EX_W * w, msg) for w, msg in _wrong_cores(EX_X, 1e-6)])
 
-    h, eps = r.int(8, 96), r.choice([1e-6, 1e-5])
+    h, eps = r.int(8, 96), _eps(r)
     hf = _hf(Qwen3RMSNorm, h, eps, r, mean=1.0)
     x = _rows(r, _lead(r), h)
     with torch.no_grad():
@@ -127,7 +135,8 @@ def test_qwen3_rmsnorm_matches_hf():
             raise AssertionError("RMSNorm(x)：residual=None（第一层）时应只返回 normed 张量，不是 tuple")
         if isinstance(out, torch.Tensor) and out.shape == x.shape and not torch.isfinite(out.reshape(-1, h)[0]).all():
             raise AssertionError(f"RMSNorm(x)：全零行的输出应为 0，得到 NaN/inf（eps 要加在 sqrt 里面防止除以 0）；{r}")
-        assert_close(out, ref, what=f"RMSNorm(x)，x {list(x.shape)}（要用 self.eps={eps:g}）", rand=r, looks_like=wrong)
+        assert_close(out, ref, what=f"RMSNorm(x)，x {list(x.shape)}（要用 self.eps={eps:g}）", rand=r,
+                     looks_like=wrong + [(hf.weight * _core(x, 1e-6), M_SELF_EPS)])
 
 
 @point("fused residual：链式调用与 HF 残差模式一致")
@@ -143,12 +152,12 @@ def test_fused_residual_chain_matches_hf():
     assert_close(normed, EX_FUSED, what="逐步图 fused：返回的 normed", atol=EX_ATOL, rtol=0,
                  looks_like=[(EX_W * _core(EX_SUB, 1e-6), M_NORM_X)])
 
-    h, num_layers = r.int(8, 64), r.int(2, 3)
+    h, num_layers, eps = r.int(8, 64), r.int(2, 3), _eps(r)
     for cls_name, hf_cls, mean in (("RMSNorm", Qwen3RMSNorm, 1.0), ("GemmaRMSNorm", Qwen3_5RMSNorm, 0.0)):
         for dtype in (torch.float32, BF16):
             lead = _lead(r)
-            hf_norms = [_hf(hf_cls, h, 1e-6, r, mean, dtype) for _ in range(2 * num_layers + 1)]
-            mine = [_copy(getattr(m, cls_name)(h, eps=1e-6).to(dtype), n) for n in hf_norms]
+            hf_norms = [_hf(hf_cls, h, eps, r, mean, dtype) for _ in range(2 * num_layers + 1)]
+            mine = [_copy(getattr(m, cls_name)(h, eps=eps).to(dtype), n) for n in hf_norms]
             subs = [(r.randn(h, h, scale=h ** -0.5)).to(dtype) for _ in range(2 * num_layers)]
             x = r.randn(*lead, h, dtype=dtype)
             what = f"{cls_name} 链式 fused（{num_layers} 层，{dtype}，x {list(x.shape)}）"
@@ -156,19 +165,22 @@ def test_fused_residual_chain_matches_hf():
             def sub(i, t):                                  # stands in for attention / MLP
                 return torch.tanh(t @ subs[i].T)
 
-            def same(actual, expected, what_step, looks_like=()):
+            def same(actual, expected, what_step, looks_like=(), dtype_mistake=""):
                 if dtype == torch.float32:
                     assert_close(actual, expected, what=f"{what}：{what_step}", rand=r, looks_like=looks_like)
                 else:                                       # bit-level, step by step (1-ulp flips would compound)
-                    _assert_bf16(actual, expected, what=f"{what}：{what_step}", r=r, looks_like=looks_like)
+                    _assert_bf16(actual, expected, what=f"{what}：{what_step}", r=r, looks_like=looks_like,
+                                 dtype_mistake=dtype_mistake)
 
             def fp32_sum_normed(norm, t):                   # nano-vllm: add in fp32, normalise the unrounded sum
-                c = _core(t.float(), 1e-6)
+                c = _core(t.float(), eps)
                 w = norm.weight
-                return (w * c.to(dtype)) if cls_name == "RMSNorm" else (c * (1 + w.float())).to(dtype)
+                if cls_name == "RMSNorm":              # either cast order on the unrounded sum
+                    return [(w * c.to(dtype), M_FP32_SUM), ((w.float() * c).to(dtype), M_FP32_SUM)]
+                return [((c * (1 + w.float())).to(dtype), M_FP32_SUM)]
 
             def swapped_cast(norm, t):                      # the other norm's cast order
-                c, w = _core(t, 1e-6), norm.weight
+                c, w = _core(t, eps), norm.weight
                 if cls_name == "RMSNorm":
                     return [((w.float() * c).to(dtype), M_Q3_FP32)]
                 return [((1 + w) * c.to(dtype), M_GEMMA_CAST), ((c.to(dtype) * (1 + w.float())).to(dtype), M_GEMMA_CAST)]
@@ -193,11 +205,12 @@ def test_fused_residual_chain_matches_hf():
                         raise AssertionError(f"{what}：带 residual 调用时应返回 (normed, x + residual) 两个张量")
                     expected = residual + delta             # HF's order, in x.dtype
                     same(step[1], expected, f"第 {i + 1} 次 fused 返回的 residual",
-                         looks_like=[(residual, M_PRE_RES), (delta, M_PRE_X)])
+                         looks_like=[(residual, M_PRE_RES), (delta, M_PRE_X)],
+                         dtype_mistake=M_RES_FP32 if isinstance(step[1], torch.Tensor)
+                         and step[1].dtype == torch.float32 else "")
                     same(step[0], hf_norms[i + 1](expected), f"第 {i + 1} 次 fused 返回的 normed",
-                         looks_like=[(hf_norms[i + 1](delta), M_NORM_X),
-                                     (fp32_sum_normed(hf_norms[i + 1], delta.float() + residual.float()),
-                                      "在 fp32 里相加后对未舍入的和做 norm（nano-vllm 的写法）；HF 先在 x.dtype 里相加")]
+                         looks_like=[(hf_norms[i + 1](delta), M_NORM_X)]
+                         + fp32_sum_normed(hf_norms[i + 1], delta.float() + residual.float())
                          + swapped_cast(hf_norms[i + 1], expected))
                     out, residual = step
             if dtype == torch.float32:                      # end to end: the same stream as HF's decoder
@@ -213,7 +226,7 @@ def test_gemma_rmsnorm_matches_hf():
     assert_close(out, EX_GEMMA, what="逐步图 gemma_rms_norm(x, w, 1e-6)", atol=EX_ATOL, rtol=0,
                  looks_like=[(EX_QWEN3, M_GEMMA_W)] + [((1 + EX_W) * c, msg) for c, msg in _wrong_cores(EX_X, 1e-6)])
 
-    h, eps = r.int(8, 96), r.choice([1e-6, 1e-5])
+    h, eps = r.int(8, 96), _eps(r)
     hf = _hf(Qwen3_5RMSNorm, h, eps, r, mean=0.0)
     x = _rows(r, _lead(r), h)
     with torch.no_grad():
@@ -227,7 +240,8 @@ def test_gemma_rmsnorm_matches_hf():
         out = _copy(fresh, hf)(x)
         if isinstance(out, tuple):
             raise AssertionError("GemmaRMSNorm(x)：residual=None 时应只返回 normed 张量，不是 tuple")
-        assert_close(out, ref, what=f"GemmaRMSNorm(x)，x {list(x.shape)}", rand=r, looks_like=wrong)
+        assert_close(out, ref, what=f"GemmaRMSNorm(x)，x {list(x.shape)}", rand=r,
+                     looks_like=wrong + [((1 + hf.weight) * _core(x, 1e-6), M_SELF_EPS)])
 
 
 @point("RMSNormGated 与 Qwen3_5RMSNormGated 一致")
@@ -243,7 +257,7 @@ def test_rmsnorm_gated_matches_hf():
                              (EX_W * n * torch.sigmoid(EX_Z), M_GATED_SIGMOID)])
 
     # Gated DeltaNet applies it per value head: x, z [T, num_v_heads, head_v_dim], weight [head_v_dim]
-    d, eps = r.int(8, 64), r.choice([1e-6, 1e-5])
+    d, eps = r.int(8, 64), _eps(r)
     lead = (r.int(2, 9), r.int(1, 4))
     for dtype in (torch.float32, BF16):
         hf = _hf(Qwen3_5RMSNormGated, d, eps, r, mean=1.0, dtype=dtype)
@@ -255,7 +269,7 @@ def test_rmsnorm_gated_matches_hf():
             w, n, zf = hf.weight.float(), _core(x, eps), z.float()
             wrong = [((1 + w) * n * F.silu(zf), M_GATED_1PW), (w * n * zf, M_GATED_NOSILU),
                      (F.silu(w * n) * zf, M_GATED_SILU_X), (w * _core(x.float() * F.silu(zf), eps), M_GATED_BEFORE),
-                     (w * n * torch.sigmoid(zf), M_GATED_SIGMOID)]
+                     (w * n * torch.sigmoid(zf), M_GATED_SIGMOID), (w * _core(x, 1e-6) * F.silu(zf), M_SELF_EPS)]
             fn_out = m.rms_norm_gated(x, z, hf.weight, eps)
             mod_out = _copy(m.RMSNormGated(d, eps=eps).to(dtype), hf)(x, z)
             if dtype == torch.float32:

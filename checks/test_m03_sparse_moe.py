@@ -18,6 +18,33 @@ CRASHES = {
 }
 
 
+M_TOPK_FIRST = "softmax 放在了 top-k 之后（先 top-k 再 softmax）：应先在全部 E 个 expert 上 softmax，再取 top-k"
+# with norm_topk_prob=False these two mistakes give the very same weights, so the message names both
+M_TOPK_OR_RENORM = ("softmax 放在了 top-k 之后（先 top-k 再 softmax），或 norm_topk_prob=False 时也做了重新归一化"
+                    "（两者给出同样的权重，k 个之和为 1）：应先在全部 E 个 expert 上 softmax 再取 top-k，False 时不除以和")
+M_NO_RENORM = "norm_topk_prob=True 时没有重新归一化：top-k 的权重要除以它们的和（在 fp32 里）"
+M_BF16_RENORM = ("在 bf16 里重新归一化（softmax 在 x.dtype 里算，或先转回 x.dtype 再除以和）："
+                 "softmax 与重新归一化都要在 fp32 里做，最后才转回 x.dtype")
+M_SHARED_NO_SIGMOID = "shared expert 的门控没有过 sigmoid：应为 sigmoid(x @ gate.T) · SharedExpert(x)"
+M_SHARED_UNGATED = "shared expert 没有乘门控：应为 sigmoid(x @ gate.T) · SharedExpert(x)"
+
+
+def _route_variants(x: torch.Tensor, router: torch.Tensor, top_k: int, norm: bool) -> list:
+    """The classic wrong routing weights [N, k] (each with the right ids where the ids agree), in x.dtype."""
+    logits = (x @ router.T).float()
+    probs = torch.softmax(logits, dim=-1)
+    top_p, ids = torch.topk(probs, top_k, dim=-1)
+    out = [(torch.softmax(top_p, -1), M_TOPK_FIRST)]
+    # norm=True: softmax over the top-k logits is the right answer; norm=False: it equals renormalising
+    out.append((top_p, M_NO_RENORM) if norm else (top_p / top_p.sum(-1, keepdim=True), M_TOPK_OR_RENORM))
+    if norm and x.dtype != torch.float32:
+        low = top_p.to(x.dtype)                                      # cast first, then renormalise in bf16
+        out.append((low / low.sum(-1, keepdim=True), M_BF16_RENORM))
+        low = torch.topk(torch.softmax(x @ router.T, dim=-1), top_k, dim=-1)[0]   # softmax itself in bf16
+        out.append((low / low.sum(-1, keepdim=True), M_BF16_RENORM))
+    return [(w.to(x.dtype), msg) for w, msg in out]
+
+
 def _shape(r: Rand) -> dict:
     """Random tiny sizes; I != H so that a missing transpose cannot go unnoticed."""
     hidden = r.choice([8, 12, 16, 24])
@@ -35,13 +62,16 @@ def _looks_like(x: torch.Tensor, w, weights: torch.Tensor, ids: torch.Tensor) ->
     """The classic wrong answers of moe_forward, computed from HF's routing decision."""
     n_tok, k = ids.shape
     per_expert = _expert_outputs(x, w)                                     # [N, E, H]
-    contrib = per_expert[torch.arange(n_tok)[:, None], ids] * weights[..., None]   # [N, k, H]
+    chosen = per_expert[torch.arange(n_tok)[:, None], ids]                 # [N, k, H]
+    contrib = chosen * weights[..., None]                                  # [N, k, H]
     shared = 0
     if w.shared is not None:
         s = w.shared
         mlp = F.linear(F.silu(F.linear(x, s.gate_proj)) * F.linear(x, s.up_proj), s.down_proj)
         shared = torch.sigmoid(x @ s.gate.T) * mlp
         vector_gate = contrib.sum(1) + torch.sigmoid(x * s.gate) * mlp
+        no_sigmoid = contrib.sum(1) + (x @ s.gate.T) * mlp
+        ungated = contrib.sum(1) + mlp
     # token ids built with repeat(k) (0,1,2,0,1,2) instead of repeat_interleave(k) (0,0,1,1,2,2)
     flat_e, flat_w = ids.reshape(-1), weights.reshape(-1)
     tok = torch.arange(n_tok).repeat(k)
@@ -56,6 +86,10 @@ def _looks_like(x: torch.Tensor, w, weights: torch.Tensor, ids: torch.Tensor) ->
     ]
     if w.shared is not None:
         mistakes.append((vector_gate, "shared expert 的门控当成了向量：应为 sigmoid(x @ gate.T)（[N, 1]，每 token 一个标量）"))
+        mistakes += [(no_sigmoid, M_SHARED_NO_SIGMOID), (ungated, M_SHARED_UNGATED)]
+    # routing mistakes (weights only: where a wrong softmax changes the top-k ids it is not named)
+    mistakes += [((chosen * alt[..., None]).sum(1) + shared, msg)
+                 for alt, msg in _route_variants(x, w.router, k, w.norm_topk_prob)]
     return mistakes
 
 
@@ -86,7 +120,8 @@ def test_route_matches_hf():
         assert_dtype(ids, torch.int64, what="route 返回的 ids")
         assert_equal(ids, ref_ids, what=f"route 的 expert ids（norm_topk_prob={norm}）", rand=r)
         assert_dtype(weights, x.dtype, what="route 返回的 weights")
-        assert_close(weights, ref_w, what=f"route 的权重（norm_topk_prob={norm}）", rand=r)
+        assert_close(weights, ref_w, what=f"route 的权重（norm_topk_prob={norm}）", rand=r,
+                     looks_like=_route_variants(x, block.gate.weight.detach(), s["top_k"], norm))
 
 
 @point("thinker MoE 与 HF 一致")
@@ -123,8 +158,8 @@ def test_no_renormalisation():
     weights, _ = m.route(x, block.gate.weight.detach(), s["top_k"], False)
     ref_w, _ = oracles.hf_route(block, x)
     assert_close(weights, ref_w, what="route 的权重（norm_topk_prob=False，k 个权重之和应 < 1）", rand=r,
-                 looks_like=[(torch.softmax(top_logits, -1), "先 top-k logits 再 softmax：应先在全部 E 个 expert 上 softmax，再取 top-k"),
-                             (ref_w / ref_w.sum(-1, keepdim=True), "norm_topk_prob=False 时也做了重新归一化")])
+                 looks_like=[(torch.softmax(top_logits, -1), M_TOPK_OR_RENORM),
+                             (torch.softmax(ref_w, -1), M_TOPK_FIRST)])
     _check_block(block, r, "Qwen3MoeSparseMoeBlock（norm_topk_prob=False）", n_tokens=x.shape[0])
 
 
@@ -161,6 +196,17 @@ def test_bf16_keeps_dtype():
     assert_dtype(out, torch.bfloat16, what="bf16 输入时 moe_forward 的输出",
                  mistake="fp32 的路由权重把结果 dtype 提升了")
     assert_close(out.float(), ref, what="bf16 的 moe_forward（与 bf16 的 HF 对比）", rand=r, atol=3e-2, rtol=2e-2)
+
+    # bf16 routing with renormalisation, bit for bit against HF's bf16 router (softmax and renorm in fp32)
+    block = oracles.qwen3_moe_block(r, norm_topk_prob=True, **s).to(torch.bfloat16)
+    x16 = r.randn(64, s["hidden"]).to(torch.bfloat16)
+    ref_w, ref_ids = oracles.hf_route(block, x16)
+    router = block.gate.weight.detach()
+    weights, ids = m.route(x16, router, s["top_k"], True)
+    assert_dtype(weights, torch.bfloat16, what="bf16 输入时 route 的 weights", mistake=leak)
+    assert_equal(weights, ref_w, what="bf16 输入时 route 的权重（norm_topk_prob=True，与 HF 的 bf16 router 逐位比较）",
+                 rand=r, looks_like=_route_variants(x16, router, s["top_k"], True))
+    assert_equal(ids, ref_ids, what="bf16 输入时 route 的 expert ids（norm_topk_prob=True）", rand=r)
 
 
 class _MatmulLog(TorchDispatchMode):
@@ -219,7 +265,7 @@ def test_card_route_example():
     weights, _ = m.route(x, torch.eye(4), 2, False)
     assert_close(weights, torch.tensor([[0.6439, 0.2369], [0.8605, 0.0706]]), what="卡片例子 norm_topk_prob=False 的权重",
                  atol=1e-4, rtol=0, looks_like=[(torch.tensor([[0.7311, 0.2689], [0.9241, 0.0759]]),
-                                                 "先 top-k logits 再 softmax（或 False 时也重新归一化）")])
+                                                 M_TOPK_OR_RENORM)])
 
 
 @point("卡片例子：标量版 moe_forward 与 shared expert")

@@ -11,12 +11,11 @@ import copy
 
 import torch
 import transformers  # noqa: F401  (imported once per grading process)
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Qwen3Config, Qwen3_5TextConfig
 from transformers.models.qwen3 import modeling_qwen3 as hf_qwen3
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen3_5
 
-from checks.kit import TOL, Rand, assert_close, assert_dtype, explain_crash, impl, point
+from checks.kit import TOL, OpCount, Rand, assert_close, assert_dtype, explain_crash, impl, point
 
 MODULE = "m04_attention"
 BF16 = torch.bfloat16
@@ -28,6 +27,11 @@ torch.set_num_threads(1)
 # the card's 易错点, as the failure messages name them
 M_PACK = "把整个 pack 当成一条序列做 causal：attention 跨序列了（应按 cu_seqlens 逐序列，序列之间互不可见）"
 M_TOP_LEFT = "cached prefix 时 causal mask 左上对齐（j ≤ i）：应右下对齐，query i 看得到 key j ≤ (Lk − Lq) + i"
+M_OFFSET_TOTAL = ("causal 对角线的偏移用了整个 pack 的 Nk − Nq：偏移要逐序列算，"
+                  "序列 b 是 Lk_b − Lq_b（没有 cached prefix 的序列偏移是 0）")
+M_OFFSET_MAX = ("causal 对角线的偏移用了 max_seqlen_k − max_seqlen_q：偏移要逐序列算，"
+                "序列 b 是 Lk_b − Lq_b（没有 cached prefix 的序列偏移是 0）")
+M_KEYS_AT_Q = "k / v 用 cu_seqlens_q 切了：key 的行要用 cu_seqlens_k 切（有 cached prefix 时 Lk > Lq，前缀的 key 在前）"
 M_REPEAT = "GQA 用了 repeat（平铺：head h 读 kv head h % nKV），应为 repeat_interleave（head h 读 kv head h // g）"
 M_NO_NORM = "漏了 q_norm / k_norm（每个 head 在 D 上做 RMSNorm）"
 M_NORM_AFTER = "q_norm / k_norm 放在了 RoPE 之后（应先 norm 再 RoPE）"
@@ -40,6 +44,7 @@ M_FLAT_GATE = "q_proj 输出按 [全部 query | 全部 gate] 切开了：应按 
 M_GATE_AFTER = "gate 乘在了 o_proj 之后：应先 o * sigmoid(gate)（[N, nH·D]）再 o_proj"
 M_GATE_RAW = "gate 没过 sigmoid：应为 o * sigmoid(gate)"
 M_PLAIN_NORM = "gated attention 的 q/k norm 用了普通 RMSNorm（乘 w）：Qwen3.5 的 q_norm / k_norm 是 (1+w) 的 GemmaRMSNorm"
+M_NORM_EPS = "q_norm / k_norm 没有用传入的 rms_norm_eps（用了默认的 1e-6）"
 M_GEMMA_IN_QWEN3 = "Qwen3 的 q/k norm 用了 (1+w) 的 GemmaRMSNorm：Qwen3 是普通 RMSNorm（乘 w）"
 
 CRASHES = {
@@ -51,16 +56,24 @@ CRASHES = {
 
 # ----------------------------------------------------------------------------------------------- naive oracle
 
-def naive_varlen(q, k, v, lens_q, lens_k, scale, *, kv_head=lambda h, g, n_kv: h // g, bottom_right=True):
-    """Per sequence, per head: softmax(q k^T * scale + causal mask) v in fp64. Returns [Nq, nH, D] fp32."""
+def naive_varlen(q, k, v, lens_q, lens_k, scale, *, kv_head=lambda h, g, n_kv: h // g, bottom_right=True,
+                 offset=None, keys_at_q=False):
+    """Per sequence, per head: softmax(q k^T * scale + causal mask) v in fp64. Returns [Nq, nH, D] fp32.
+
+    Classic mistakes: bottom_right=False (top-left mask), offset=<int> (one diagonal offset for every
+    sequence), keys_at_q (keys and values sliced with cu_seqlens_q: Lk = Lq, the prefix never read).
+    """
     n_heads, n_kv = q.shape[1], k.shape[1]
     g = n_heads // n_kv
     out = torch.zeros(q.shape, dtype=torch.float64)
     q0 = k0 = 0
     for lq, lk in zip(lens_q, lens_k):
+        if keys_at_q:
+            k0, lk = q0, lq
         i = torch.arange(lq)[:, None]
         j = torch.arange(lk)[None, :]
-        visible = j <= i + (lk - lq if bottom_right else 0)
+        shift = offset if offset is not None else (lk - lq if bottom_right else 0)
+        visible = j <= i + shift
         for h in range(n_heads):
             kh = k[k0:k0 + lk, kv_head(h, g, n_kv)].double()
             vh = v[k0:k0 + lk, kv_head(h, g, n_kv)].double()
@@ -80,10 +93,15 @@ def _cu(lens: list[int]) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------------- HF oracles
 
+def _eps(r: Rand) -> float:
+    """q/k-norm eps: never the default 1e-6, large enough to change the result (a norm that ignores it fails)."""
+    return r.choice([0.05, 0.1])
+
+
 def _qwen3(r: Rand, hidden: int, heads: int, kv_heads: int, head_dim: int):
     cfg = Qwen3Config(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
                       head_dim=head_dim, num_hidden_layers=1, max_position_embeddings=64,
-                      rope_theta=r.choice([1e4, 1e6]), rms_norm_eps=1e-6, attn_implementation="eager")
+                      rope_theta=r.choice([1e4, 1e6]), rms_norm_eps=_eps(r), attn_implementation="eager")
     hf = r.init_(hf_qwen3.Qwen3Attention(cfg, layer_idx=0).eval())
     with torch.no_grad():                                  # RMSNorm weights around 1 (HF starts them at 1)
         hf.q_norm.weight.copy_(1.0 + r.randn(head_dim, scale=0.3))
@@ -95,7 +113,7 @@ def _qwen3_5(r: Rand, hidden: int, heads: int, kv_heads: int, head_dim: int):
     # partial_rotary_factor defaults to 0.25 (G-4); mrope_section defaults to [11, 11, 10]
     cfg = Qwen3_5TextConfig(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
                             head_dim=head_dim, num_hidden_layers=1, layer_types=["full_attention"],
-                            max_position_embeddings=64, rms_norm_eps=1e-6, attn_implementation="eager")
+                            max_position_embeddings=64, rms_norm_eps=_eps(r), attn_implementation="eager")
     hf = r.init_(hf_qwen3_5.Qwen3_5Attention(cfg, layer_idx=0).eval())
     with torch.no_grad():                                  # (1+w) norms: w around 0 (HF starts them at 0)
         hf.q_norm.weight.copy_(r.randn(head_dim, scale=0.3))
@@ -180,6 +198,14 @@ def _shifted_norms(hf, delta: float):
     return other
 
 
+def _default_eps_norms(hf):
+    """A copy of hf whose q/k norms use eps 1e-6 (the mistake of not passing rms_norm_eps on)."""
+    other = copy.deepcopy(hf)
+    for norm in (other.q_norm, other.k_norm):
+        setattr(norm, "variance_epsilon" if hasattr(norm, "variance_epsilon") else "eps", 1e-6)
+    return other
+
+
 def load_from_hf(mine: torch.nn.Module, hf, hidden: int, q_rows: int, kv_rows: int) -> None:
     """Copy HF's separate projections into the packed qkv_proj (rows = cat[q_proj, k_proj, v_proj])."""
     for name in ("qkv_proj", "o_proj", "q_norm", "k_norm", "rotary", "attn"):
@@ -223,10 +249,13 @@ def test_varlen_matches_naive_with_prefix():
     r = Rand()
     kv_heads, group, d = r.int(1, 3), r.int(1, 3), r.choice([4, 8, 16])
     heads = kv_heads * group
-    lens_q = [r.int(1, 6) for _ in range(r.int(2, 4))]
-    lens_k = [n + r.choice([0, r.int(1, 5)]) for n in lens_q]             # some sequences have a cached prefix
-    lens_q[r.int(0, len(lens_q) - 1)] = 1                                  # a decode-like step
-    lens_k[0] = lens_q[0] + r.int(1, 5)                                    # at least one prefix for sure
+    # a layout where the offset mistakes all disagree: one sequence without a prefix, two with different
+    # prefixes, so Nk - Nq, max_seqlen_k - max_seqlen_q and each sequence's Lk - Lq are different numbers
+    a = r.int(2, 3)
+    b_q, c_q = r.int(1, 3), r.int(2, 4)
+    layout = [(a, a), (b_q, b_q + r.int(4, 6)), (c_q, c_q + r.int(1, 2))] + [(1, 1 + r.int(0, 5))] * r.int(0, 1)
+    r.py.shuffle(layout)
+    lens_q, lens_k = [lq for lq, _ in layout], [lk for _, lk in layout]
     q = r.randn(sum(lens_q), heads, d)
     k = r.randn(sum(lens_k), kv_heads, d)
     v = r.randn(sum(lens_k), kv_heads, d)
@@ -235,6 +264,9 @@ def test_varlen_matches_naive_with_prefix():
     looks_like = [
         (naive_varlen(q, k, v, [sum(lens_q)], [sum(lens_k)], scale), M_PACK),
         (naive_varlen(q, k, v, lens_q, lens_k, scale, bottom_right=False), M_TOP_LEFT),
+        (naive_varlen(q, k, v, lens_q, lens_k, scale, offset=sum(lens_k) - sum(lens_q)), M_OFFSET_TOTAL),
+        (naive_varlen(q, k, v, lens_q, lens_k, scale, offset=max(lens_k) - max(lens_q)), M_OFFSET_MAX),
+        (naive_varlen(q, k, v, lens_q, lens_k, scale, keys_at_q=True), M_KEYS_AT_Q),
         (naive_varlen(q, k, v, lens_q, lens_k, scale, kv_head=lambda h, g, n: h % n) if group > 1 else None, M_REPEAT),
     ]
     with explain_crash(CRASHES):
@@ -273,16 +305,6 @@ def test_gqa_grouping():
                  rand=r, looks_like=[(tiled, M_REPEAT)])
 
 
-class _OpCount(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 @point("按序列计算，不逐 token 循环")
 def test_no_loop_over_tokens():
     m = impl(MODULE)
@@ -292,7 +314,7 @@ def test_no_loop_over_tokens():
     for length in (4, 40):                        # same number of sequences, 10x the tokens
         lens = [length, length]
         q, k, v = r.randn(2 * length, heads, d), r.randn(2 * length, kv_heads, d), r.randn(2 * length, kv_heads, d)
-        log = _OpCount()
+        log = OpCount()
         with explain_crash(CRASHES), torch.no_grad(), log:
             out = m.varlen_attention(q, k, v, _cu(lens), _cu(lens), d ** -0.5)
         assert_close(out, naive_varlen(q, k, v, lens, lens, d ** -0.5), what=f"varlen_attention（lens={lens}）", rand=r)
@@ -317,6 +339,7 @@ def test_qwen3_attention_matches_hf():
         (hf_variant(cfg, hf, x, lens, False, norm="after"), M_NORM_AFTER),
         (hf_variant(cfg, hf, x, lens, False, scale=1.0 / s["head_dim"]), M_SCALE_D),
         (hf_packed(cfg, _shifted_norms(hf, 1.0), x, lens, gated=False), M_GEMMA_IN_QWEN3),
+        (hf_packed(cfg, _default_eps_norms(hf), x, lens, gated=False), M_NORM_EPS),
     ]
     with explain_crash(CRASHES):
         mine = m.Qwen3Attention(s["hidden"], s["heads"], s["kv_heads"], s["head_dim"], cfg.rms_norm_eps,
@@ -417,6 +440,7 @@ def test_gated_attention_matches_hf():
         (hf_variant(cfg, hf, x, lens, True, norm="none"), M_NO_NORM),
         (hf_variant(cfg, hf, x, lens, True, norm="after"), M_NORM_AFTER),
         (hf_variant(cfg, hf, x, lens, True, whole_pack=True), M_PACK),
+        (hf_packed(cfg, _default_eps_norms(hf), x, lens, gated=True), M_NORM_EPS),
     ]
     with explain_crash(CRASHES):
         mine = m.GatedAttention(s["hidden"], s["heads"], s["kv_heads"], s["head_dim"], cfg.rms_norm_eps,
@@ -464,7 +488,9 @@ def test_card_varlen_example():
         out = m.varlen_attention(EX_Q, EX_K, EX_V, torch.tensor(EX_CU_Q, dtype=torch.int32),
                                  torch.tensor(EX_CU_K, dtype=torch.int32), 2 ** -0.5)
     assert_close(out, EX_OUT, what="卡片逐步图 1 的输出", atol=EX_ATOL, rtol=0,
-                 looks_like=[(EX_OUT_PACK, M_PACK), (EX_OUT_TOP_LEFT, M_TOP_LEFT)])
+                 looks_like=[(EX_OUT_PACK, M_PACK),
+                             (EX_OUT_TOP_LEFT, "cached prefix 时 causal mask 左上对齐（j ≤ i），或 k / v 用 cu_seqlens_q 切了"
+                              "（在这个例子里两者结果相同）：k / v 用 cu_seqlens_k 切，序列 b 的 query i 看得到 key j ≤ (Lk_b − Lq_b) + i")])
 
 
 @point("卡片例子：单 token 的 GatedAttention（per-head gate）")

@@ -15,7 +15,7 @@ import transformers
 from transformers import DynamicCache, Qwen3_5TextConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-from checks.kit import TOL, Rand, assert_close, assert_dtype, close, explain_crash, impl, point
+from checks.kit import TOL, OpCount, Rand, assert_close, assert_dtype, close, explain_crash, impl, point
 
 MODULE = "m05_gated_deltanet"
 transformers.utils.logging.set_verbosity_error()
@@ -50,6 +50,10 @@ CHUNK_INIT = "分块形式忘了初始状态（initial_state）：第一块也�
 CHUNK_DECAY = "分块形式忘了块间衰减：进入下一块前，旧状态要乘 exp(本块 g 之和)"
 NORM_ONE_PLUS_W = "RMSNormGated 的权重用成了 (1+w)：门控 norm 是 w·norm(o)·silu(z)（weight 初始化为 1，不是 Gemma 式的 1+w）"
 NORM_PER_HEAD = "RMSNormGated 没有按 value head 拆开：o 和 z 都要 reshape 成 [N·nv, dv]，每个头单独算 RMS"
+CHUNK_TOKEN_LOOP = ("分块形式里逐 token 循环（直接调用了 recurrent_gated_delta_rule，或块内逐行前代求解）："
+                    "块内应当只有矩阵乘和一次 solve_triangular，只有“块”在循环")
+STATE_BF16 = "递推状态在块与块之间被存成了 v.dtype（bf16）：状态要一直是 fp32，只有输出 o 最后转回 v.dtype"
+NORM_EPS = "RMSNormGated 没有用 config 的 rms_norm_eps（用了默认的 1e-6）：GatedDeltaNet(…, rms_norm_eps) 要传给 norm"
 
 CRASHES = {
     "Missing key": "参数名必须与 HF Qwen3_5GatedDeltaNet 一致（in_proj_qkv / in_proj_z / in_proj_b / in_proj_a / conv1d / A_log / dt_bias / norm / out_proj）",
@@ -259,37 +263,73 @@ def _delta_loop(q, k, v, g, beta, state, *, mistake: str = "", chunk: int = 0):
     return out, state
 
 
+def _dims(r: Rand) -> list[tuple[int, int]]:
+    """(dk, dv) with dk < dv and with dk > dv, both in every run: a swapped dk / dv cannot pass."""
+    small, large = r.choice([4, 6]), r.choice([8, 10])
+    return [(small, large), (large, small)]
+
+
+def _nearer(actual: torch.Tensor, expected: torch.Tensor, wrong: torch.Tensor) -> bool:
+    """actual is (at least 10x) closer to the classic wrong answer than to the right one."""
+    if not isinstance(actual, torch.Tensor) or actual.shape != wrong.shape:
+        return False
+    to_wrong = (actual.double() - wrong.double()).abs().max()
+    return bool(to_wrong * 10 < (actual.double() - expected.double()).abs().max())
+
+
+def _state_bf16_between_chunks(q, k, v, g, beta, state, chunk: int):
+    """The rule token by token in fp32 whose state is rounded to bf16 at every chunk end (the classic mistake)."""
+    steps = k.shape[1]
+    out = torch.empty(v.shape)
+    for t in range(steps):
+        state = state * g[:, t].exp()[..., None, None]
+        u = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], state))
+        state = state + k[:, t, :, :, None] * u[:, :, None, :]
+        out[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], state)
+        if t % chunk == chunk - 1 or t == steps - 1:
+            state = state.bfloat16().float()
+    return out, state
+
+
 @point("递推 delta rule 与 HF 一致（初始状态进、最终状态出）")
 def test_recurrent_matches_hf():
     m = impl(MODULE)
     r = Rand()
-    batch, steps, heads, dk, dv = r.int(1, 2), r.int(5, 12), r.int(1, 3), r.choice([4, 8]), r.choice([4, 6])
-    q_hf, q, k, v, g, beta, state = _rule_inputs(r, batch, steps, heads, dk, dv)
-    ref_o, ref_s = HF_RECURRENT(q_hf, k, v, g, beta, initial_state=state.clone(), output_final_state=True)
-    o, s = m.recurrent_gated_delta_rule(q, k, v, g, beta, state.clone())
-    wrong = {name: _delta_loop(q, k, v, g, beta, state, mistake=name) for name in ("decay_after", "read_before_decay")}
-    no_init = HF_RECURRENT(q_hf, k, v, g, beta, initial_state=None, output_final_state=True)
-    assert_close(o, ref_o, what="recurrent_gated_delta_rule 的输出 o", rand=r,
-                 looks_like=[(wrong["decay_after"][0], DECAY_AFTER), (wrong["read_before_decay"][0], READ_BEFORE_DECAY),
-                             (no_init[0], "忘了用 initial_state（从零状态开始了）"),
-                             (HF_RECURRENT(q, k, v, g, beta, initial_state=state.clone())[0],
-                              "q 又乘了一次 dk^-0.5：传进来的 q 已经缩放过")])
-    assert_dtype(s, torch.float32, what="recurrent_gated_delta_rule 返回的状态")
-    assert_close(s, ref_s, what="recurrent_gated_delta_rule 的最终状态 [B, H, dk, dv]", rand=r,
-                 looks_like=[(wrong["decay_after"][1], DECAY_AFTER), (wrong["read_before_decay"][1], READ_BEFORE_DECAY),
-                             (ref_s.transpose(-1, -2), "状态的轴放反了：应为 [B, H, dk, dv]")])
+    for dk, dv in _dims(r):
+        batch, steps, heads = r.int(1, 2), r.int(5, 12), r.int(1, 3)
+        q_hf, q, k, v, g, beta, state = _rule_inputs(r, batch, steps, heads, dk, dv)
+        ref_o, ref_s = HF_RECURRENT(q_hf, k, v, g, beta, initial_state=state.clone(), output_final_state=True)
+        o, s = m.recurrent_gated_delta_rule(q, k, v, g, beta, state.clone())
+        wrong = {name: _delta_loop(q, k, v, g, beta, state, mistake=name) for name in ("decay_after", "read_before_decay")}
+        no_init = HF_RECURRENT(q_hf, k, v, g, beta, initial_state=None, output_final_state=True)
+        what = f"recurrent_gated_delta_rule（dk={dk}，dv={dv}）"
+        assert_close(o, ref_o, what=f"{what} 的输出 o", rand=r,
+                     looks_like=[(wrong["decay_after"][0], DECAY_AFTER), (wrong["read_before_decay"][0], READ_BEFORE_DECAY),
+                                 (no_init[0], "忘了用 initial_state（从零状态开始了）"),
+                                 (HF_RECURRENT(q, k, v, g, beta, initial_state=state.clone())[0],
+                                  "q 又乘了一次 dk^-0.5：传进来的 q 已经缩放过")])
+        assert_dtype(s, torch.float32, what=f"{what} 返回的状态")
+        assert_close(s, ref_s, what=f"{what} 的最终状态 [B, H, dk, dv]", rand=r,
+                     looks_like=[(wrong["decay_after"][1], DECAY_AFTER), (wrong["read_before_decay"][1], READ_BEFORE_DECAY),
+                                 (ref_s.transpose(-1, -2) if dk == dv else None, "状态的轴放反了：应为 [B, H, dk, dv]")])
 
-    o16, s16 = m.recurrent_gated_delta_rule(q, k, v.bfloat16(), g, beta, state.clone())
-    assert_dtype(o16, torch.bfloat16, what="v 为 bf16 时的输出 o", mistake="o 要转回 v.dtype")
-    assert_dtype(s16, torch.float32, what="v 为 bf16 时的状态", mistake="状态始终是 fp32")
+        # bf16 v (a bf16 model): the rule still runs in fp32; o is rounded once, the state stays fp32
+        v16 = v.bfloat16()
+        o16, s16 = m.recurrent_gated_delta_rule(q, k, v16, g, beta, state.clone())
+        assert_dtype(o16, torch.bfloat16, what="v 为 bf16 时的输出 o", mistake="o 要转回 v.dtype")
+        assert_dtype(s16, torch.float32, what="v 为 bf16 时的状态", mistake="状态始终是 fp32")
+        ref_o16, ref_s16 = HF_RECURRENT(q_hf, k, v16.float(), g, beta, initial_state=state.clone(), output_final_state=True)
+        assert_close(o16.float(), ref_o16.bfloat16().float(), what=f"{what}，v 为 bf16 时的输出 o（与 HF 的 fp32 计算比）",
+                     rand=r, atol=1e-6, rtol=2 ** -7)
+        assert_close(s16, ref_s16, what=f"{what}，v 为 bf16 时的最终状态（应全程 fp32）", rand=r)
 
 
 @point("分块 WY 形式与 HF、与递推一致（T 非 chunk 倍数、初始状态）")
 def test_chunk_matches_hf_and_recurrent():
     m = impl(MODULE)
     r = Rand()
-    heads, dk, dv = r.int(1, 2), r.choice([4, 8]), r.choice([4, 6])
-    for steps, chunk in ((r.int(70, 150), 64), (r.int(9, 40), r.choice([2, 4, 8]))):
+    heads = r.int(1, 2)
+    for (steps, chunk), (dk, dv) in zip(((r.int(70, 150), 64), (r.int(9, 40), r.choice([2, 4, 8]))), _dims(r)):
         if steps % chunk == 0:
             steps += 1
         q_hf, q, k, v, g, beta, state = _rule_inputs(r, r.int(1, 2), steps, heads, dk, dv)
@@ -302,7 +342,7 @@ def test_chunk_matches_hf_and_recurrent():
             no_decay = _delta_loop(q, k, v, g, beta, state, mistake="no_chunk_decay", chunk=chunk)
             return [(no_init[i], CHUNK_INIT), (no_decay[i], CHUNK_DECAY)]
 
-        what = f"chunk_gated_delta_rule（T={steps}，chunk_size={chunk}）"
+        what = f"chunk_gated_delta_rule（T={steps}，chunk_size={chunk}，dk={dk}，dv={dv}）"
         _assert_close_lazy(o, ref_o, what=f"{what} 的输出 o", rand=r, mistakes=lambda: mistakes(0))
         assert_dtype(s, torch.float32, what=f"{what} 返回的状态")
         _assert_close_lazy(s, ref_s, what=f"{what} 的最终状态", rand=r, mistakes=lambda: mistakes(1))
@@ -310,15 +350,62 @@ def test_chunk_matches_hf_and_recurrent():
         assert_close(o, rec_o, what=f"{what} 与 recurrent_gated_delta_rule 的输出", rand=r)
         assert_close(s, rec_s, what=f"{what} 与 recurrent_gated_delta_rule 的最终状态", rand=r)
 
+    # bf16 v over many short chunks: the state crosses every boundary in fp32, o is rounded once at the end
+    dk, dv = _dims(r)[r.int(0, 1)]
+    steps, chunk = r.int(40, 60), r.choice([2, 4])
+    q_hf, q, k, v, g, beta, state = _rule_inputs(r, 1, steps, heads, dk, dv)
+    state = state * 8.0                                       # a large state: its bf16 rounding is far above fp32 noise
+    v16 = v.bfloat16()
+    ref_o, ref_s = HF_CHUNK(q_hf, k, v16.float(), g, beta, chunk_size=chunk, initial_state=state.clone(),
+                            output_final_state=True)
+    o16, s16 = m.chunk_gated_delta_rule(q, k, v16, g, beta, state.clone(), chunk_size=chunk)
+    what = f"chunk_gated_delta_rule，v 为 bf16（T={steps}，chunk_size={chunk}）"
+    assert_dtype(o16, torch.bfloat16, what=f"{what} 的输出 o", mistake="o 要转回 v.dtype")
+    assert_dtype(s16, torch.float32, what=f"{what} 的最终状态", mistake=STATE_BF16)
+    if not close(s16, ref_s, 1e-5, 1e-5):
+        wrong_o, wrong_s = _state_bf16_between_chunks(q, k, v16.float(), g, beta, state, chunk)
+        named = _nearer(s16, ref_s, wrong_s)
+        raise AssertionError(f"{what} 的最终状态与 HF（fp32 计算）不一致，最大误差 "
+                             f"{(s16 - ref_s).abs().max().item():.3g}" + (f"\n  看起来像易错点：{STATE_BF16}" if named else "")
+                             + f"；{r}")
+    assert_close(o16.float(), ref_o.bfloat16().float(), what=f"{what} 的输出 o（与 HF 的 fp32 计算舍入到 bf16 比）",
+                 rand=r, atol=1e-6, rtol=2 ** -7)
+
+
+@point("分块形式真的分块：块内不逐 token 循环")
+def test_chunk_is_chunked():
+    m = impl(MODULE)
+    r = Rand()
+    heads, dk, dv = 2, 4, 6
+    counts = []
+    for size in (4, 32):                       # one chunk each: 8x the tokens, the same number of chunks
+        _, q, k, v, g, beta, state = _rule_inputs(r, 1, size, heads, dk, dv)
+        log = OpCount()
+        with torch.no_grad(), log:
+            o, s = m.chunk_gated_delta_rule(q, k, v, g, beta, state.clone(), chunk_size=size)
+        rec_o, rec_s = m.recurrent_gated_delta_rule(q, k, v, g, beta, state.clone())
+        assert_close(o, rec_o, what=f"chunk_gated_delta_rule（T={size}，chunk_size={size}）与递推形式的输出", rand=r)
+        counts.append(log.count)
+    if counts[1] > counts[0] + 16:
+        raise AssertionError(f"chunk_gated_delta_rule 在一个块里有 4 个 token 时执行了 {counts[0]} 个 torch 算子，32 个 token 时 "
+                             f"{counts[1]} 个：块数相同，算子数却随 token 数增长\n  看起来像易错点：{CHUNK_TOKEN_LOOP}；{r}")
+
 
 # ---------------------------------------------------------------------------------------------- the layer
 
-def _hf_layer(r: Rand):
-    """A tiny Qwen3_5GatedDeltaNet with every parameter random (norm weight around 1), and its sizes."""
+def _hf_layer(r: Rand, wide_v: bool):
+    """A tiny Qwen3_5GatedDeltaNet with every parameter random (norm weight around 1), and its sizes.
+
+    No default hides a mistake: nv > nk (>= 2 key heads), dk != dv (wide_v: dk < dv, else dk > dv), a conv
+    kernel other than the default 4 and an rms_norm_eps large enough to change the gated norm's output.
+    """
     nk = r.int(2, 3)                                # repeat and repeat_interleave only differ with >= 2 key heads
+    small, large = r.choice([4, 6]), 8
     size = dict(hidden_size=r.choice([16, 24, 32]), linear_num_key_heads=nk, linear_num_value_heads=nk * r.choice([2, 3]),
-                linear_key_head_dim=r.choice([4, 8]), linear_value_head_dim=r.choice([4, 8]), linear_conv_kernel_dim=4)
-    cfg = Qwen3_5TextConfig(num_hidden_layers=1, layer_types=["linear_attention"], rms_norm_eps=1e-6, **size)
+                linear_key_head_dim=small if wide_v else large, linear_value_head_dim=large if wide_v else small,
+                linear_conv_kernel_dim=r.choice([2, 3, 5]))
+    cfg = Qwen3_5TextConfig(num_hidden_layers=1, layer_types=["linear_attention"], rms_norm_eps=r.choice([0.05, 0.1]),
+                            **size)
     layer = r.init_(hf.Qwen3_5GatedDeltaNet(cfg, layer_idx=0).eval())
     with torch.no_grad():
         layer.norm.weight.copy_(1.0 + r.randn(*layer.norm.weight.shape, scale=0.3))
@@ -339,7 +426,7 @@ def _hf_forward(hf_layer, x: torch.Tensor) -> torch.Tensor:
         return hf_layer(x[None])[0]
 
 
-def _hf_layer_like(hf_layer, x: torch.Tensor, *, q_scale=True, tile=False, norm="w") -> torch.Tensor:
+def _hf_layer_like(hf_layer, x: torch.Tensor, *, q_scale=True, tile=False, norm="w", eps=None) -> torch.Tensor:
     """Qwen3_5GatedDeltaNet.forward on one sequence x [T, hidden], rebuilt from HF's pieces with one mistake on."""
     L = hf_layer
     steps, nk, nv, dk, dv = x.shape[0], L.num_k_heads, L.num_v_heads, L.head_k_dim, L.head_v_dim
@@ -361,7 +448,8 @@ def _hf_layer_like(hf_layer, x: torch.Tensor, *, q_scale=True, tile=False, norm=
         else:
             o, z = o.reshape(-1, dv), z.reshape(-1, dv)
             w = 1 + w if norm == "1+w" else w
-        h = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + L.norm.variance_epsilon) * w * F.silu(z)
+        eps = L.norm.variance_epsilon if eps is None else eps
+        h = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps) * w * F.silu(z)
         return L.out_proj(h.reshape(steps, -1))
 
 
@@ -369,14 +457,14 @@ def _layer_mistakes(hf_layer, x: torch.Tensor, bounds: list[int]) -> list:
     def per_seq(**kw):
         return torch.cat([_hf_layer_like(hf_layer, x[s:e], **kw) for s, e in zip(bounds[:-1], bounds[1:])])
     return [(per_seq(q_scale=False), Q_SCALE), (per_seq(tile=True), REPEAT),
-            (per_seq(norm="1+w"), NORM_ONE_PLUS_W), (per_seq(norm="flat"), NORM_PER_HEAD)]
+            (per_seq(norm="1+w"), NORM_ONE_PLUS_W), (per_seq(norm="flat"), NORM_PER_HEAD), (per_seq(eps=1e-6), NORM_EPS)]
 
 
 @point("GatedDeltaNet 层与 HF Qwen3_5GatedDeltaNet 一致（多条打包序列）")
 def test_layer_matches_hf():
     m = impl(MODULE)
     r = Rand()
-    hf_layer, cfg = _hf_layer(r)
+    hf_layer, cfg = _hf_layer(r, wide_v=True)
     ours = _ours(m, hf_layer, cfg)
     lengths = [r.int(1, 3), r.int(4, 20), r.int(60, 72)]
     r.py.shuffle(lengths)
@@ -393,7 +481,7 @@ def test_layer_matches_hf():
 def test_prefill_then_decode_matches_full_forward():
     m = impl(MODULE)
     r = Rand()
-    hf_layer, cfg = _hf_layer(r)
+    hf_layer, cfg = _hf_layer(r, wide_v=False)
     ours = _ours(m, hf_layer, cfg)
     batch = r.int(2, 3)
     lengths = [r.int(3, 18) for _ in range(batch)]

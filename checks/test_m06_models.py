@@ -61,7 +61,7 @@ def _load(m, folder: Path):
 def _family_matches_hf(family: str, tie: bool = False) -> None:
     m = impl(MODULE)
     r = Rand()
-    config = hf_models.tiny_config(family, r, tie=tie)
+    config = hf_models.tiny_config(family, r, tie=tie, hard=True)
     hf = hf_models.hf_model(family, config, r)
     with tempfile.TemporaryDirectory() as d:
         folder = Path(d)
@@ -73,8 +73,119 @@ def _family_matches_hf(family: str, tie: bool = False) -> None:
     seqs, ids, positions, lengths = _packed(r, config.vocab_size)
     out = _our_logits(m, model, r, seqs, ids, positions, lengths)
     ref = hf_models.hf_logits(hf, seqs)
-    assert_close(out, ref, what=f"{family} 的 logits（{len(lengths)} 条 packed 序列，长度 {lengths}）", rand=r,
-                 atol=1e-4, rtol=1e-4)
+    assert_close(out, ref, what=f"{family} 的 logits（{len(lengths)} 条 packed 序列，长度 {lengths}；{_knobs(config)}）",
+                 rand=r, atol=1e-4, rtol=1e-4)
+
+
+def _knobs(config) -> str:
+    """The behaviour-changing config values of this run, for the failure message."""
+    keys = ("rms_norm_eps", "head_dim", "hidden_size", "num_attention_heads", "rope_theta", "decoder_sparse_step",
+            "mlp_only_layers", "norm_topk_prob", "tie_word_embeddings", "linear_num_key_heads",
+            "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")
+    values = {k: getattr(config, k) for k in keys if getattr(config, k, None) is not None}
+    rope = getattr(config, "rope_parameters", None) or {}
+    values.update({k: rope[k] for k in ("rope_theta", "partial_rotary_factor") if k in rope})
+    return "config " + ", ".join(f"{k}={v}" for k, v in values.items())
+
+
+class _PrefixKV(torch.nn.Module):
+    """Stands in for m04's Attention backend with a per-sequence KV cache (what e04's paged cache provides):
+    the keys of a step are every cached key of the sequence followed by its new ones."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.scale, self.keys, self.values = scale, None, None
+
+    def forward(self, q, k, v, ctx):
+        cu_q, cu_k = ctx.cu_seqlens_q.tolist(), ctx.cu_seqlens_k.tolist()
+        new_k = [k[a:b] for a, b in zip(cu_q[:-1], cu_q[1:])]
+        new_v = [v[a:b] for a, b in zip(cu_q[:-1], cu_q[1:])]
+        if self.keys is not None:
+            new_k = [torch.cat([old, n]) for old, n in zip(self.keys, new_k)]
+            new_v = [torch.cat([old, n]) for old, n in zip(self.values, new_v)]
+        self.keys, self.values = new_k, new_v
+        lens_k = [x.shape[0] for x in new_k]
+        if lens_k != [b - a for a, b in zip(cu_k[:-1], cu_k[1:])]:
+            raise AssertionError(f"attention 收到的 ctx.cu_seqlens_k={cu_k} 与缓存里每条序列的 key 数 {lens_k} 不符："
+                                 "模型要把 ctx 原样传给每个 attention 层")
+        return impl("m04_attention").varlen_attention(q, torch.cat(new_k), torch.cat(new_v), ctx.cu_seqlens_q,
+                                                      ctx.cu_seqlens_k, self.scale)
+
+
+class _Spy(torch.nn.Module):
+    """Wraps a GatedDeltaNet layer and records what the model hands it: (cu_seqlens, state) of every call."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.calls = inner, []
+
+    def forward(self, hidden_states, cu_seqlens, state=None):
+        self.calls.append((cu_seqlens.tolist(), state))
+        return self.inner(hidden_states, cu_seqlens, state)
+
+
+M_GDN_CU_K = ("linear attention 层用了 ctx.cu_seqlens_k：Gated DeltaNet 只看本步新来的 token，"
+              "应传 ctx.cu_seqlens_q（前缀已经在 GDN 状态里了）")
+M_GDN_STATE = "没有把 gdn_states 里本层的状态交给 linear attention 层：续算时每条序列都从零状态开始了"
+
+
+@point("hybrid：带 cached prefix 的多条序列续算（q 长度 ≠ k 长度）与 HF 一致")
+def test_hybrid_prefix_continuation():
+    m = impl(MODULE)
+    m05 = impl("m05_gated_deltanet")
+    r = Rand()
+    family = r.choice(["qwen3_5_text", "qwen3_5_moe_text"])
+    config = hf_models.tiny_config(family, r, hard=True)
+    hf = hf_models.hf_model(family, config, r)
+    with tempfile.TemporaryDirectory() as d:
+        model = _load(m, hf_models.save_hf(hf, Path(d)))
+    spies = {}
+    for i, layer in enumerate(model.model.layers):
+        if not getattr(layer, "is_linear", False):
+            layer.self_attn.attn = _PrefixKV(layer.self_attn.attn.scale)
+        else:
+            spies[i] = layer.linear_attn = _Spy(layer.linear_attn)
+    batch = r.int(2, 3)
+    prefix = [r.int(2, 7) for _ in range(batch)]
+    new = [r.int(1, 4) for _ in range(batch)]
+    new[0] = prefix[0] + 2                                  # one sequence brings more new tokens than it had cached
+    seqs = [r.randint(1, config.vocab_size, (c + n,)) for c, n in zip(prefix, new)]
+    conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim \
+        + config.linear_num_value_heads * config.linear_value_head_dim
+    states = {i: m05.GDNState(conv=torch.zeros(batch, conv_dim, config.linear_conv_kernel_dim - 1),
+                              ssm=torch.zeros(batch, config.linear_num_value_heads, config.linear_key_head_dim,
+                                              config.linear_value_head_dim))
+              for i in model.linear_layer_ids}
+    ctx_mod = impl("m04_attention")
+
+    def handed_over(cu_q: list[int]) -> None:          # what the model passed to its GDN layers in the last step
+        for i, spy in spies.items():
+            if spy.calls and spy.calls[-1][0] != cu_q:
+                raise AssertionError(f"第 {i} 层（linear attention）收到的 cu_seqlens 是 {spy.calls[-1][0]}，"
+                                     f"本步的 cu_seqlens_q 是 {cu_q}\n  看起来像易错点：{M_GDN_CU_K}；{r}")
+            if spy.calls and spy.calls[-1][1] is not states[i]:
+                raise AssertionError(f"第 {i} 层（linear attention）收到的状态不是 gdn_states[{i}]"
+                                     f"\n  看起来像易错点：{M_GDN_STATE}；{r}")
+
+    with torch.no_grad(), explain_crash(LOAD_MISTAKES):
+        ids = torch.cat([s[:c] for s, c in zip(seqs, prefix)])
+        positions = torch.cat([torch.arange(c) for c in prefix])
+        model(ids, positions, ctx_mod.AttentionContext.from_seqlens(prefix), states)
+        cu_q = torch.tensor([0] + new).cumsum(0).to(torch.int32)
+        cu_k = torch.tensor([0] + [c + n for c, n in zip(prefix, new)]).cumsum(0).to(torch.int32)
+        ctx = ctx_mod.AttentionContext(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(new),
+                                       max_seqlen_k=max(c + n for c, n in zip(prefix, new)))
+        ids = torch.cat([s[c:] for s, c in zip(seqs, prefix)])
+        positions = torch.cat([torch.arange(c, c + n) for c, n in zip(prefix, new)])
+        try:
+            out = model.compute_logits(model(ids, positions, ctx, states))
+        except (RuntimeError, IndexError, ValueError):
+            handed_over(cu_q.tolist())
+            raise
+        handed_over(cu_q.tolist())
+    ref = torch.cat([hf_models.hf_logits(hf, [s])[c:] for s, c in zip(seqs, prefix)])
+    assert_close(out, ref, what=f"{family} 续算的 logits（cached prefix {prefix}，新 token {new}；{_knobs(config)}）",
+                 rand=r, atol=1e-4, rtol=1e-4)
 
 
 @point("qwen3：packed 多条序列的 logits 与 HF 一致")
@@ -89,7 +200,7 @@ def test_qwen3_moe_logits():
 
 @point("qwen3_5_text：Gated DeltaNet + gated attention 混合，logits 与 HF 一致")
 def test_qwen3_5_logits():
-    _family_matches_hf("qwen3_5_text")
+    _family_matches_hf("qwen3_5_text", tie=True)
 
 
 @point("qwen3_5_moe_text：混合 + MoE + shared expert，logits 与 HF 一致")

@@ -48,4 +48,18 @@ PLANTS = [
     Plant("fused_norms_pre_add_x", "fused 形式对相加前的 x 做 norm",
           old=_FUSED, new="        return rms_norm(x, self.weight, self.eps), x + residual\n",
           expect="对相加前的 x 做了 norm"),
+    Plant("module_ignores_self_eps", "模块没有用 self.eps（用了默认的 1e-6）",
+          old="            return rms_norm(x, self.weight, self.eps)                    # first layer: the caller keeps x\n",
+          new="            return rms_norm(x, self.weight, 1e-6)\n",
+          expect="self.eps"),
+    Plant("fused_residual_fp32", "residual 在 fp32 里相加并以 fp32 返回",
+          old=_FUSED,
+          new="        residual = x.float() + residual.float()\n"
+              "        return rms_norm(residual, self.weight, self.eps).to(x.dtype), residual\n",
+          expect="residual 在 fp32 里相加并以 fp32 返回"),
+    Plant("fused_norms_unrounded_fp32_sum", "在 fp32 里相加后对未舍入的和做 norm（nano-vllm 的写法）",
+          old=_FUSED,
+          new="        total = x.float() + residual.float()\n"
+              "        return rms_norm(total, self.weight, self.eps).to(x.dtype), total.to(x.dtype)\n",
+          expect="对未舍入的和做 norm"),
 ]

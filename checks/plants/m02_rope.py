@@ -60,4 +60,12 @@ PLANTS = [
           new=("    axes[(i % 3 == 1) & (i < mrope_section[1])] = 1\n"
                "    axes[(i % 3 == 2) & (i < mrope_section[2])] = 2\n"),
           expect="上界写成 i < sec[k]"),
+    Plant("rope_theta_not_read", "rope_from_config 没有读 rope_theta（用了默认的 10000）",
+          old='    base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))\n',
+          new="    base = 10000.0\n",
+          expect=None),
+    Plant("partial_factor_default", "rope_from_config 没有读 partial_rotary_factor（用了 HF 的默认值 0.25）",
+          old='    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))\n',
+          new='    factor = 0.25 if "partial_rotary_factor" in params else 1.0\n',
+          expect=None),
 ]
