@@ -111,12 +111,19 @@ def _health(url: str) -> dict:
     return httpx.get(url + "/health", timeout=10).json()
 
 
-def _wait_idle(url: str, seconds: float = 20) -> dict:
+def _wait_idle(url: str, seconds: float = 20, until_engine_idle: bool = False) -> dict:
+    """/health once nothing is in flight; with until_engine_idle, once the engine has no unfinished request and
+    the in-flight count has had 2 s to settle (a count that never comes back must fail fast, not time out)."""
     deadline = time.monotonic() + seconds
+    settle = None
     while True:
         h = _health(url)
         if (h["unfinished"] == 0 and h["pending"] == 0) or time.monotonic() > deadline:
             return h
+        if until_engine_idle and h["unfinished"] == 0:
+            settle = settle or time.monotonic() + 2
+            if time.monotonic() > settle:
+                return h
         time.sleep(0.05)
 
 
@@ -308,7 +315,7 @@ def test_burst_gets_503():
             choice = a.json()["choices"][0]
             assert a.json()["usage"]["completion_tokens"] == 40 and choice["finish_reason"] == "length", \
                 f"收下的请求应完整生成 40 个 token：{a.text}"
-    h = _wait_idle(url)
+    h = _wait_idle(url, until_engine_idle=True)          # the engine is idle: nothing can still be in flight
     assert h["pending"] == 0, (f"所有请求都结束了，在途计数却是 {h['pending']}：之后的请求会一直被 503"
                                "\n  看起来像易错点：被 503 拒绝的请求也占了名额（计数先加后判断，拒绝时没减回去）")
     later = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=30)
