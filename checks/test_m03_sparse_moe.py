@@ -182,13 +182,25 @@ def test_bf16_keeps_dtype():
     m = impl(MODULE)
     r = Rand()
     s = _shape(r)
+    leak = "路由权重留在 fp32，没有在 route 返回前转回 x.dtype"
+    # first: bf16 routing with renormalisation, bit for bit against HF's bf16 router (softmax and renorm in fp32),
+    # so that a precision mistake is named here rather than by the looser end-to-end comparison below
+    rblock = oracles.qwen3_moe_block(r, norm_topk_prob=True, **s).to(torch.bfloat16)
+    x16 = r.randn(64, s["hidden"]).to(torch.bfloat16)
+    ref_w, ref_ids = oracles.hf_route(rblock, x16)
+    router = rblock.gate.weight.detach()
+    weights, ids = m.route(x16, router, s["top_k"], True)
+    assert_dtype(weights, torch.bfloat16, what="bf16 输入时 route 的 weights", mistake=leak)
+    assert_equal(weights, ref_w, what="bf16 输入时 route 的权重（norm_topk_prob=True，与 HF 的 bf16 router 逐位比较）",
+                 rand=r, looks_like=_route_variants(x16, router, s["top_k"], True))
+    assert_equal(ids, ref_ids, what="bf16 输入时 route 的 expert ids（norm_topk_prob=True）", rand=r)
+
     block = oracles.talker_moe_block(r, shared_inter=s["inter"], **s)
     x32 = r.randn(r.int(5, 16), s["hidden"])
     block16 = block.to(torch.bfloat16)
     ref = oracles.hf_moe(block16, x32.to(torch.bfloat16)).float()   # same dtype, so the same routing decisions
     w16, x16 = oracles.moe_weights_from_hf(block16, m), x32.to(torch.bfloat16)
     weights, ids = m.route(x16, w16.router, w16.top_k, w16.norm_topk_prob)
-    leak = "路由权重留在 fp32，没有在 route 返回前转回 x.dtype"
     assert_dtype(weights, torch.bfloat16, what="bf16 输入时 route 的 weights", mistake=leak)
     assert_dtype(ids, torch.int64, what="route 的 ids")
     with explain_crash(CRASHES):
@@ -196,17 +208,6 @@ def test_bf16_keeps_dtype():
     assert_dtype(out, torch.bfloat16, what="bf16 输入时 moe_forward 的输出",
                  mistake="fp32 的路由权重把结果 dtype 提升了")
     assert_close(out.float(), ref, what="bf16 的 moe_forward（与 bf16 的 HF 对比）", rand=r, atol=3e-2, rtol=2e-2)
-
-    # bf16 routing with renormalisation, bit for bit against HF's bf16 router (softmax and renorm in fp32)
-    block = oracles.qwen3_moe_block(r, norm_topk_prob=True, **s).to(torch.bfloat16)
-    x16 = r.randn(64, s["hidden"]).to(torch.bfloat16)
-    ref_w, ref_ids = oracles.hf_route(block, x16)
-    router = block.gate.weight.detach()
-    weights, ids = m.route(x16, router, s["top_k"], True)
-    assert_dtype(weights, torch.bfloat16, what="bf16 输入时 route 的 weights", mistake=leak)
-    assert_equal(weights, ref_w, what="bf16 输入时 route 的权重（norm_topk_prob=True，与 HF 的 bf16 router 逐位比较）",
-                 rand=r, looks_like=_route_variants(x16, router, s["top_k"], True))
-    assert_equal(ids, ref_ids, what="bf16 输入时 route 的 expert ids（norm_topk_prob=True）", rand=r)
 
 
 class _MatmulLog(TorchDispatchMode):
