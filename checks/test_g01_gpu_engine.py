@@ -8,6 +8,7 @@ own unconstrained run for prefix caching, chunked prefill and preemption.
 from __future__ import annotations
 
 import copy
+import math
 import functools
 import tempfile
 from pathlib import Path
@@ -283,3 +284,49 @@ def test_card_example():
                                       + ("；看起来像易错点：padding 行的 slot 用了 0 而不是 -1" if slots[2:] == [0, 0] else ""))
     assert gdn == [-1] * 4, f"gdn = {gdn}" + ("；看起来像易错点：padding 行的 GDN 槽位用了 0" if gdn[2:] == [0, 0] else "")
     assert tables == [[7, 2, -1], [4, -1, -1], [-1, -1, -1], [-1, -1, -1]], f"tables = {tables}"
+
+
+@point("DeviceSampler 的单遍采样：greedy 等于 argmax（并列取第一个）；温度采样的概率符合 softmax(x/T)；manual_seed 可复现")
+def test_device_sampler_fast_path():
+    m, e01 = impl(MODULE), impl("e01_sampling")
+    r = Rand()
+    dev = "cuda" if CUDA else "cpu"                  # on the CPU the Triton kernel runs in the interpreter
+    sampler = m.DeviceSampler()
+    vocab = r.choice([2300, 2600, 3000])             # more than one 2048-wide block of the vocabulary
+    logits = torch.randn(3, vocab, generator=r.gen)
+    a = r.int(0, 200)
+    b = a + 2048                                     # a tie in the same lane of two blocks: keep the first
+    logits[0, a] = logits[0, b] = 40.0
+    logits[1, b] = 40.0
+    greedy = [e01.SamplingParams(temperature=0.0)] * 3
+    got = sampler(logits.to(dev), greedy, [None] * 3).cpu()
+    want = logits.argmax(dim=-1)
+    assert got.tolist() == want.tolist(), (
+        f"greedy 行应等于 argmax {want.tolist()}，得到 {got.tolist()}"
+        + ("；看起来像易错点：并列最大值取了后面的下标（argmax 取第一个）" if got[0] == b else "") + f"；{r}")
+    # one token at T*log(V-1) above V-1 zeros: under softmax(x / T) it wins with probability exactly 1/2
+    temp, rows, width = r.choice([0.7, 1.5, 2.0]), 120, 2000
+    star = r.int(0, width - 1)
+    batch = torch.zeros(rows, width)
+    batch[:, star] = temp * math.log(width - 1)
+    params = [e01.SamplingParams(temperature=temp)] * rows
+    torch.manual_seed(r.int(0, 10**6))
+    state = torch.get_rng_state()
+    first = sampler(batch.to(dev), params, [None] * rows).cpu()
+    torch.set_rng_state(state)
+    again = sampler(batch.to(dev), params, [None] * rows).cpu()
+    assert torch.equal(first, again), "同一个 torch.manual_seed 下两次采样应相同：噪声的种子要从 torch 的全局 RNG 取"
+    wins = int((first == star).sum())
+    p_flat = (width - 1) ** temp / ((width - 1) ** temp + width - 1)     # its chance when T is left out
+    hint = ""
+    if wins > rows - 8:
+        hint = ("；看起来像易错点：Gumbel 噪声的符号反了（应是 x/T − log(−log U)）或没有除以温度 T"
+                "（两者都让高分 token 几乎总是赢）")
+    elif abs(wins - rows * p_flat) < abs(wins - rows / 2):
+        hint = f"；看起来像易错点：没有除以温度 T（那样它赢的概率是 {p_flat:.2f}）"
+    assert abs(wins - rows / 2) <= 25, (
+        f"T={temp}：高出 T·log(V−1) 的 token 在 softmax(x/T) 下的概率是 1/2，{rows} 次采样应赢约 {rows // 2} 次"
+        f"（±25），实际 {wins} 次{hint}；{r}")
+    losers = first[first != star]
+    assert losers.unique().numel() >= len(losers) // 3, (
+        f"没赢的 {len(losers)} 行只落在 {losers.unique().numel()} 个 token 上：每一行、每个位置的噪声应互相独立；{r}")

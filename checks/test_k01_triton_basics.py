@@ -228,10 +228,13 @@ def test_native_cuda_bf16():
         out, s = _call(m, x, res, w, 1e-6, gemma)
         ref, ref_s = to_cpu(*_m01_fused(x, res, w, 1e-6, gemma))                  # torch on the GPU
         assert torch.equal(s, ref_s), "CUDA bf16 的 residual 和应与 torch 逐位相同"
-        # fp32 statistics summed in another order: at most 1 bf16 ulp on rare elements
+        # fp32 statistics summed in another order: the normalised value n = x * rstd may round to the other
+        # neighbour (1 bf16 ulp) on rare elements; m01 then rounds w * n once more in bf16, so |w| up to ~2
+        # turns that into at most 2 ulps of the output. More than that is a different computation.
         hit = _ulp_match(out, ref)
         assert hit >= 0.99, f"CUDA bf16 add_rms_norm（H={hidden}, gemma={gemma}）只有 {hit:.2%} 元素逐位一致；{r}"
         ulps = (out.view(torch.int16).int() - ref.view(torch.int16).int()).abs()      # same sign: ulp distance
-        far = (ulps > 1) & ((out.float() - ref.float()).abs() > 1e-6)
-        assert not far.any(), (f"CUDA bf16 add_rms_norm（H={hidden}）：{int(far.sum())} 个元素与参考相差超过 1 个 bf16 ulp，"
-                               f"例如位置 {tuple(far.nonzero()[0].tolist())}；{r}")
+        far = (ulps > 2) & ((out.float() - ref.float()).abs() > 1e-6)
+        assert not far.any(), (f"CUDA bf16 add_rms_norm（H={hidden}）：{int(far.sum())} 个元素与参考相差超过 2 个 bf16 ulp"
+                               f"（归一化值舍入差 1 ulp、再乘 w 舍入一次，最多 2 ulp），例如位置 "
+                               f"{tuple(far.nonzero()[0].tolist())}；{r}")

@@ -220,11 +220,12 @@ def test_static_shapes_no_sync():
     if DEVICE.type == "cuda":                                     # the real thing: no sync anywhere in fused_experts
         w_gate = torch.randn(experts, 32, 16, device="cuda")
         x, weights = torch.randn(n_tok, 16, device="cuda"), torch.rand(n_tok, k, device="cuda")
+        ids = spread.cuda()                          # a blocking H2D copy syncs: do it before the watched region
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
             with explain_crash({"synchroniz": "decode 路径里有 host 同步（.item() / .tolist() / 依赖数据的形状）"}):
-                m.fused_experts(x, w_gate, w_gate, w_gate.transpose(1, 2), weights, spread.cuda())
+                m.fused_experts(x, w_gate, w_gate, w_gate.transpose(1, 2), weights, ids)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 

@@ -62,12 +62,18 @@ def run_engine(args, prompts, out_lens) -> dict:
                   max_model_len=args.max_model_len, block_size=args.block_size, enforce_eager=args.enforce_eager,
                   gpu_memory_utilization=0.9)
     startup = time.perf_counter() - t0
-    # warm-up: Triton compiles a kernel per specialisation on first use; give every prefill / decode path one
-    llm.generate([p[:n] for p, n in zip(prompts[:8], (1, 17, 100, 255, 512, 1000, 64, 33))],
-                 SamplingParams(max_tokens=4, ignore_eos=True))
+    # warm-up: Triton compiles a kernel per specialisation on first use (~0.1-0.6 s each); give every path
+    # one: short and long prompts, then more prompt tokens than one step takes so that a chunk continues
+    # from a cached prefix and prefill chunks share steps with decodes - all before the clock starts
+    warm = [p[:n] for p, n in zip(prompts[:8], (1, 17, 100, 255, 512, 1000, 64, 33))]
+    warm += [(p * 4)[:min(args.max_model_len - 8, 1500)] for p in prompts[8:8 + 12]]
+    llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True))
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in out_lens]
     steps: list[tuple[float, int, bool]] = []       # (seconds, tokens sampled, decode step?)
     inner = llm.step
+    host = _time_calls({"schedule": (llm.scheduler, "schedule"), "postprocess": (llm.scheduler, "postprocess"),
+                        "run": (llm.runner, "run"), "decode inputs + replay launch": (llm.runner, "_run_decode"),
+                        "prefill forward (launch)": (llm.runner, "_run_prefill")})
 
     def step():
         t = time.perf_counter()
@@ -96,6 +102,8 @@ def run_engine(args, prompts, out_lens) -> dict:
                   kv_blocks=llm.runner.num_blocks, block_size=args.block_size,
                   cuda_graph_buckets=sorted(llm.runner.graphs), startup_s=startup)
     result["timeline"] = steps
+    _restore_calls(host)
+    result["host_ms_per_step"] = {k: 1e3 * v / max(len(steps), 1) for k, v in host.items()}
     print("RESULT", {k: v for k, v in result.items() if k != "timeline"}, flush=True)
     if llm.runner.graphs:
         try:
@@ -110,6 +118,49 @@ def run_engine(args, prompts, out_lens) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
     return result
+
+
+def _time_calls(targets: dict) -> dict:
+    """Wrap obj.name for each (obj, name) to sum its wall time (a diagnostic: where a step's host time goes)."""
+    acc = {}
+    for label, (obj, name) in targets.items():
+        fn = getattr(obj, name)
+        acc[label] = 0.0
+
+        def timed(*a, _fn=fn, _label=label, **kw):
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                acc[_label] += time.perf_counter() - t
+        setattr(obj, name, timed)
+    acc["_targets"] = targets
+    return acc
+
+
+def _restore_calls(acc: dict) -> None:
+    for obj, name in acc.pop("_targets").values():
+        delattr(obj, name)                       # the instance attribute shadowed the class method
+
+
+def time_breakdown(result: dict) -> list[str]:
+    """Where the wall time went: prefill vs decode steps, decode steps by batch size, host time per step."""
+    tl = result["timeline"]
+    pre = [s for s in tl if not s[2]]
+    dec = [s for s in tl if s[2]]
+    lines = [f"prefill/mixed steps: {len(pre)}, {sum(s[0] for s in pre):.2f} s; "
+             f"decode steps: {len(dec)}, {sum(s[0] for s in dec):.2f} s"]
+    for lo, hi in ((193, 10**9), (129, 192), (65, 128), (17, 64), (1, 16)):
+        part = [s for s in dec if lo <= s[1] <= hi]
+        if part:
+            sec = sum(s[0] for s in part)
+            lines.append(f"  decode batch {lo}-{hi if hi < 10**9 else '':<3}: {len(part):5d} steps, {sec:6.2f} s, "
+                         f"{1e3 * sec / len(part):6.2f} ms/step, {sum(s[1] for s in part) / sec:8.0f} tok/s")
+    host = result.get("host_ms_per_step", {})
+    if host:
+        lines.append("host ms per step (mean over all steps; 'run' includes waiting for the GPU): "
+                     + ", ".join(f"{k} {v:.2f}" for k, v in host.items()))
+    return lines
 
 
 def graph_step_ms(llm, batch: int, context: int) -> float:
@@ -242,6 +293,8 @@ def main(argv: list[str], say) -> int:
         say(f"decode step: {eng['mean_decode_step_ms']:.2f} ms wall vs {eng['gpu_decode_step_ms']:.2f} ms GPU (graph replay "
             f"at batch {min(args.num_seqs, args.max_num_seqs)}, mean context) -> CPU/launch share "
             f"{max(0.0, 1 - eng['gpu_decode_step_ms'] / max(eng['mean_decode_step_ms'], 1e-9)):.0%}")
+    for line in time_breakdown(eng):
+        say(line)
     if len(results) == 3:
         say(f"[bold]ratio course / HF on the same {results[1]['num_seqs']} prompts: "
             f"{results[1]['tok_per_s'] / results[2]['tok_per_s']:.1f}×[/]")

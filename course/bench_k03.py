@@ -75,6 +75,7 @@ def bench_k03(args: list[str], say=print) -> int:
     parser = argparse.ArgumentParser(prog="./check.sh bench k03")
     parser.add_argument("--shapes", default="0,1", help="indices into SHAPES (0: Qwen3-30B-A3B, 1: Qwen3.5-35B-A3B)")
     parser.add_argument("--no-loop", action="store_true", help="skip m03's per-expert loop (slow at prefill)")
+    parser.add_argument("--solutions", action="store_true", help="measure the reference even when mine/ has passed")
     opts = parser.parse_args(args)
     if not torch.cuda.is_available():
         say("./check.sh bench k03 需要 GPU（CUDA）：这台机器没有，benchmark 没有运行。")
@@ -82,7 +83,8 @@ def bench_k03(args: list[str], say=print) -> int:
     import triton.testing
 
     from course import select
-    select.install()
+    from course.run import kernel_source
+    select.use({"default": "solutions", "k03_fused_moe": kernel_source("k03", "--solutions" in args)})
     k03, m03 = select.load("k03_fused_moe"), select.load("m03_sparse_moe")
     source = select.resolve("k03_fused_moe")
     do_bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")  # noqa: E731

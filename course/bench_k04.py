@@ -98,7 +98,8 @@ def bench_k04(args) -> int:
         print("./check.sh bench k04：需要 GPU（CUDA 不可用）。")
         return 2
     module = "k04_gdn_kernels"
-    select.use({"default": "solutions", module: "solutions" if getattr(args, "solutions", False) else "mine"})
+    from .run import kernel_source
+    select.use({"default": "solutions", module: kernel_source("k04", getattr(args, "solutions", False))})
     mod = select.load(module)
     print(f"{torch.cuda.get_device_name()}，torch {torch.__version__}；实现：{select.resolve(module)}\n", flush=True)
     fla_chunk, fla_recurrent = _peers()

@@ -28,6 +28,14 @@ def auto_selection(gpu: bool = False) -> tuple[dict[str, str], list[tuple[str, s
     return selection, report
 
 
+def kernel_source(exercise_id: str, force_solutions: bool) -> str:
+    """The folder a Track K benchmark measures: mine/ once that exercise has passed, else (or with
+    --solutions) the reference, the same rule the assembled engine uses."""
+    if force_solutions:
+        return "solutions"
+    return "mine" if exercise_id in state.passed_ids(registry.CATALOGUE) else "solutions"
+
+
 def tiny_dummy_config(vocab_size: int):
     from transformers import Qwen3Config
     return Qwen3Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

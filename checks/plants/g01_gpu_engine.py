@@ -20,4 +20,13 @@ PLANTS = [
           old="        bs = next((b for b in sorted(self.graphs) if b >= n), None)\n",
           new="        bs = next((b for b in sorted(self.graphs, reverse=True) if b <= n), None)\n",
           expect=None),
+    Plant("sampler_tie_last", "单遍 argmax 跨块比较用了 >=：并列最大值取了后面的下标",
+          old="        take = x > best_val ", new="        take = x >= best_val ",
+          expect="并列最大值"),
+    Plant("sampler_gumbel_sign", "Gumbel 噪声的符号反了：x/T + log(-log U)",
+          old="            x = x / t - tl.log(-tl.log(u))", new="            x = x / t + tl.log(-tl.log(u))",
+          expect="符号反了"),
+    Plant("sampler_no_temperature", "忘了除以温度：x - log(-log U)",
+          old="            x = x / t - tl.log(-tl.log(u))", new="            x = x - tl.log(-tl.log(u))",
+          expect="没有除以温度"),
 ]
