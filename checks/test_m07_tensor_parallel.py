@@ -536,7 +536,7 @@ def test_replicated_kv_heads():
                      what=f"rank {rank} 第 0 层 qkv_proj 的本地行（[我的 q head | 那一个 k head | 那一个 v head]）")
 
 
-@point("卡片例子：4×2 权重的 Column→Row 部分和与 all-reduce、QKV 的行号、V=5 的词表分片")
+@point("卡片例子：4×2 权重的 Column→Row 部分和与 all-reduce、QKV 的行号、V=5 的词表分片、GDN 与复制 KV head 的行号")
 def test_card_example():
     impl(MODULE)
     data = _scenario("card")
@@ -552,3 +552,10 @@ def test_card_example():
                      looks_like=[(wrong_rows[rank], M_QKV_HALVES)])
         assert_close(d["emb_y"], torch.tensor([[14.0], [10.0], [13.0], [12.0]]), what="卡片例子 V=5 的 embedding 查表",
                      atol=1e-6, rtol=0, looks_like=[(torch.tensor([[24.0], [23.0], [23.0], [25.0]]), M_VOCAB_MASK)])
+        gdn = torch.tensor([[0.0, 2.0, 4.0, 5.0], [1.0, 3.0, 6.0, 7.0]])[rank]
+        halves = torch.arange(8.0).chunk(TP)[rank]
+        for got, name, mistake in zip(d["gdn_rows"], ("in_proj_qkv", "conv1d"), (M_GDN_QKV, M_GDN_CONV)):
+            assert_close(got, gdn, what=f"卡片例子 rank {rank} 的 {name} 局部行（nk=2, nv=4，全量行号）", atol=0, rtol=0,
+                         looks_like=[(halves, mistake)])
+        assert_close(d["kv1_rows"], torch.tensor([[0.0, 2.0, 3.0], [1.0, 2.0, 3.0]])[rank], atol=0, rtol=0,
+                     what=f"卡片例子 rank {rank} 的 qkv_proj 局部行（nH=2, nKV=1：两个 rank 都存 kv head 0）")

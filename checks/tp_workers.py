@@ -220,7 +220,8 @@ def gdn_steps(gdn, conv, ssm, j: dict) -> tuple:
 
 
 def card(m, rank: int, job: dict, name: str, out: dict) -> None:
-    """The card's worked example: Column(2 -> 4) then Row(4 -> 2, bias); QKV rows; vocab shards of V = 5."""
+    """The card's worked example: Column(2 -> 4) then Row(4 -> 2, bias); QKV rows; vocab shards of V = 5;
+    Gated DeltaNet rows (nk = 2, nv = 4); a single KV head over 2 ranks."""
     j = job[name]
     col, row = m.ColumnParallelLinear(2, 4), m.RowParallelLinear(4, 2, bias=True)
     _load(col.weight, j["w1"]), _load(row.weight, j["w2"]), _load(row.bias, j["b2"])
@@ -233,6 +234,16 @@ def card(m, rank: int, job: dict, name: str, out: dict) -> None:
     emb = m.VocabParallelEmbedding(5, 1)
     _load(emb.weight, j["emb"])
     out["emb_y"] = emb(j["ids"])
+    rows = torch.arange(8.0)                     # Gated DeltaNet nk = 2, nv = 4, dk = dv = 1: q 0 1 | k 2 3 | v 4..7
+    qkv = m.MergedColumnParallelLinear(1, [2, 2, 4])
+    _load(qkv.weight, rows[:, None])
+    conv = m.ParallelConv1d([2, 2, 4], 1)
+    _load(conv.weight, rows[:, None, None])
+    out["gdn_rows"] = (qkv.weight[:, 0].clone(), conv.weight[:, 0, 0].clone())
+    kv1 = m.QKVParallelLinear(1, 1, 2, 1)        # nH = 2, nKV = 1: q 0 1 | k 2 | v 3
+    for p, t in (("q", rows[:2]), ("k", rows[2:3]), ("v", rows[3:4])):
+        _load(kv1.weight, t[:, None], (p,))
+    out["kv1_rows"] = kv1.weight[:, 0].clone()
 
 
 def select_load(module: str):
