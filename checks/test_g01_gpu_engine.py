@@ -159,26 +159,31 @@ def _real_size(family: str, r: Rand):
                                 attn_implementation="eager", experts_implementation="eager")
 
 
+def _real_size_case(family: str, r: Rand):
+    """An fp32 HF model of _real_size on the GPU, every parameter randomised, saved; (hf, folder, 3 prompts)."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("cuda"):
+        hf = AutoModelForCausalLM.from_config(_real_size(family, r), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name or name.endswith(("A_log", "dt_bias")):
+                p.add_(0.05 * torch.randn(p.shape, generator=r.gen).cuda())
+            else:
+                p.copy_(0.02 * torch.randn(p.shape, generator=r.gen).cuda())
+    prompts = [r.randint(1, 4096, (r.int(20, 200),)).tolist() for _ in range(3)]
+    folder = Path(tempfile.mkdtemp(prefix=f"course-g01-real-{family}-"))
+    hf.save_pretrained(folder)
+    return hf, folder, prompts
+
+
 @point("真实尺寸（Qwen3-0.6B 与 Qwen3.5-35B-A3B 的宽度，少几层）fp32 greedy 与 HF 一致")
 @needs_cuda
 def test_real_size_few_layers():
     r = Rand()
     _fp32()
-    from transformers import AutoModelForCausalLM
     for family in ("qwen3", "qwen3_5_moe_text"):
-        config = _real_size(family, r)
-        with torch.device("cuda"):
-            hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-        with torch.no_grad():
-            for name, p in hf.named_parameters():
-                if "norm" in name or name.endswith(("A_log", "dt_bias")):
-                    p.add_(0.05 * torch.randn(p.shape, generator=r.gen).cuda())
-                else:
-                    p.copy_(0.02 * torch.randn(p.shape, generator=r.gen).cuda())
-        prompts = [r.randint(1, 4096, (r.int(20, 200),)).tolist() for _ in range(3)]
+        hf, folder, prompts = _real_size_case(family, r)
         refs = [_hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
-        folder = Path(tempfile.mkdtemp(prefix=f"course-g01-real-{family}-"))
-        hf.save_pretrained(folder)
         llm = _llm(folder, dtype=torch.float32, max_model_len=1024, num_kvcache_blocks=128)
         outs = llm.generate(prompts, _greedy())
         _assert_same(outs, refs, prompts, f"{family} 真实尺寸", r, hf)
@@ -307,20 +312,8 @@ def test_tp2_matches_tp1_all_families():
 def test_tp2_real_size_few_layers():
     r = Rand()
     _fp32()
-    from transformers import AutoModelForCausalLM
     for family in ("qwen3", "qwen3_5_moe_text"):
-        config = _real_size(family, r)
-        with torch.device("cuda"):
-            hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-        with torch.no_grad():
-            for name, p in hf.named_parameters():
-                if "norm" in name or name.endswith(("A_log", "dt_bias")):
-                    p.add_(0.05 * torch.randn(p.shape, generator=r.gen).cuda())
-                else:
-                    p.copy_(0.02 * torch.randn(p.shape, generator=r.gen).cuda())
-        prompts = [r.randint(1, 4096, (r.int(20, 200),)).tolist() for _ in range(3)]
-        folder = Path(tempfile.mkdtemp(prefix=f"course-g01-tp-real-{family}-"))
-        hf.save_pretrained(folder)
+        hf, folder, prompts = _real_size_case(family, r)
         ref, outs, _ = _tp_pair(folder, prompts, _greedy(), dtype=torch.float32, max_model_len=1024,
                                 num_kvcache_blocks=128)
         _assert_same(outs, [o.token_ids for o in ref], prompts, f"{family} 真实宽度 TP=2 与 TP=1", r, hf)

@@ -48,7 +48,7 @@ def workload(num_seqs: int, max_input_len: int, max_output_len: int) -> tuple[li
     return prompts, out_lens
 
 
-def run_engine(args, prompts, out_lens) -> dict:
+def run_engine(args, prompts, out_lens, tp: int = 1) -> dict:
     import torch
     from course import run, select
     selection, report = run.auto_selection(gpu=True)
@@ -61,7 +61,7 @@ def run_engine(args, prompts, out_lens) -> dict:
     t0 = time.perf_counter()
     llm = g01.LLM(hf_config(args.model), max_num_seqs=args.max_num_seqs, max_num_batched_tokens=16384,
                   max_model_len=args.max_model_len, block_size=args.block_size, enforce_eager=args.enforce_eager,
-                  gpu_memory_utilization=0.9)
+                  gpu_memory_utilization=0.9, tensor_parallel_size=tp)
     startup = time.perf_counter() - t0
     # warm-up: Triton compiles a kernel per specialisation on first use; give every prefill / decode path one
     llm.generate([p[:n] for p, n in zip(prompts[:8], (1, 17, 100, 255, 512, 1000, 64, 33))],
@@ -105,7 +105,13 @@ def run_engine(args, prompts, out_lens) -> dict:
                                                              (sum(map(len, prompts)) + tokens) // len(prompts))
         except Exception as exc:          # a diagnostic only: never lose the measured throughput over it
             print(f"graph_step_ms failed: {exc!r}")
+    if tp > 1:                            # what one decode step communicates, timed on its own
+        text = getattr(llm.model.config, "text_config", llm.model.config)
+        result.update(tp=tp, batch=min(len(prompts), args.max_num_seqs), hidden=text.hidden_size,
+                      allreduce_count=2 * text.num_hidden_layers + 1)
+        result["allreduce_ms"] = llm.tp.call(_allreduce_ms, result["allreduce_count"], result["batch"], text.hidden_size)
     llm.step = inner
+    llm.close()
     del llm, inner, step
     import gc
     gc.collect()
@@ -114,25 +120,11 @@ def run_engine(args, prompts, out_lens) -> dict:
 
 
 def graph_step_ms(llm, batch: int, context: int) -> float:
-    """GPU time of one decode step (graph replay) at `batch` sequences of `context` tokens: the step's floor."""
-    import torch
-    runner = llm.runner
-    bs = next(b for b in sorted(runner.graphs) if b >= min(batch, max(runner.graphs)))
-    per_seq = -(-context // runner.block_size)
-    s = runner.static
-    blocks = torch.randperm(runner.num_blocks, device=s["tables"].device)[:bs * per_seq].view(bs, per_seq)
-    s["tables"][:bs, :per_seq] = blocks.int()
-    s["lens"][:bs] = context
-    s["pos"][:bs] = context - 1
-    s["slots"][:bs] = blocks[:, -1] * runner.block_size
-    runner.graphs[bs].replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        runner.graphs[bs].replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 20
+    """GPU time of one decode step (graph replay) at `batch` sequences of `context` tokens: the step's floor.
+    Under tensor parallel every rank replays at once (the graph holds NCCL all-reduces)."""
+    if getattr(llm, "tp", None) is not None:
+        return llm.tp.call(_replay_ms, batch, context, llm.runner.num_blocks)
+    return _replay_ms(llm.runner, batch, context, llm.runner.num_blocks)
 
 
 def run_hf_peer(args, prompts, out_lens) -> dict:
@@ -287,8 +279,9 @@ def bench_tp(args, argv: list[str], say) -> int:
     import sys
     import torch
     if args.tp_run:                                     # the child: one engine, one JSON line
-        result = _tp_engine_run(args, args.tp_run)
-        print("TP_JSON " + json.dumps(result), flush=True)
+        result = run_engine(args, *workload(args.num_seqs, args.max_input_len, args.max_output_len), tp=args.tp_run)
+        result.pop("timeline")
+        print("TP_JSON " + json.dumps({"tp": args.tp_run, "allreduce_ms": 0.0, **result}), flush=True)
         return 0
     if torch.cuda.device_count() < args.tp:
         say(f"[yellow]--tp {args.tp} 需要 {args.tp} 块 GPU，这台机器有 {torch.cuda.device_count()} 块；未运行。[/]")
@@ -309,9 +302,9 @@ def bench_tp(args, argv: list[str], say) -> int:
                 "all-reduce ms / step", "all-reduce share", "start-up s"):
         table.add_column(col)
     for r in results:
-        share = r["allreduce_ms"] / r["gpu_step_ms"] if r.get("gpu_step_ms") else 0.0
+        share = r["allreduce_ms"] / r["gpu_decode_step_ms"] if r.get("gpu_decode_step_ms") else 0.0
         table.add_row(str(r["tp"]), f"{r['tok_per_s']:.0f}", f"{r['decode_tok_per_s']:.0f}",
-                      f"{r['mean_decode_step_ms']:.2f}", f"{r.get('gpu_step_ms', 0):.2f}",
+                      f"{r['mean_decode_step_ms']:.2f}", f"{r.get('gpu_decode_step_ms', 0):.2f}",
                       f"{r['allreduce_ms']:.3f}", f"{share:.0%}", f"{r['startup_s']:.1f}")
     say(table)
     tp_n, tp_1 = results
@@ -323,63 +316,6 @@ def bench_tp(args, argv: list[str], say) -> int:
     if args.json:
         open(args.json, "w").write(line)
     return 0
-
-
-def _tp_engine_run(args, tp: int) -> dict:
-    """One engine at tensor_parallel_size=tp on the bench workload; throughput and the decode step's anatomy."""
-    import torch
-    from course import run, select
-    selection, report = run.auto_selection(gpu=True)
-    select.use(selection)
-    print(f"TP={tp}; engine files: " + ", ".join(path for _, path in report), flush=True)
-    SamplingParams = select.load("e01_sampling").SamplingParams
-    g01 = select.load("g01_gpu_engine")
-    prompts, out_lens = workload(args.num_seqs, args.max_input_len, args.max_output_len)
-    config = hf_config(args.model)
-    t0 = time.perf_counter()
-    llm = g01.LLM(config, tensor_parallel_size=tp, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=16384,
-                  max_model_len=args.max_model_len, block_size=args.block_size, enforce_eager=args.enforce_eager,
-                  gpu_memory_utilization=0.9)
-    try:
-        startup = time.perf_counter() - t0
-        llm.generate([p[:n] for p, n in zip(prompts[:8], (1, 17, 100, 255, 512, 1000, 64, 33))],
-                     SamplingParams(max_tokens=4, ignore_eos=True))
-        steps: list[tuple[float, int, bool]] = []
-        inner = llm.step
-
-        def step():
-            t = time.perf_counter()
-            events = inner()
-            steps.append((time.perf_counter() - t, len(events), llm.runner.last_was_decode))
-            return events
-        llm.step = step
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        outs = llm.generate(prompts, [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in out_lens])
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t
-        llm.step = inner
-        tokens = sum(len(o.token_ids) for o in outs)
-        decode = [s for s in steps if s[2]]
-        decode_time = sum(s[0] for s in decode)
-        text = getattr(config, "text_config", config)
-        batch = min(len(prompts), args.max_num_seqs)
-        context = (sum(map(len, prompts)) + tokens) // len(prompts)
-        count = 2 * text.num_hidden_layers + 1
-        result = dict(tp=tp, model=args.model, output_tokens=tokens, seconds=wall, tok_per_s=tokens / wall,
-                      decode_tok_per_s=sum(s[1] for s in decode) / max(decode_time, 1e-9),
-                      mean_decode_step_ms=1e3 * decode_time / max(len(decode), 1), startup_s=startup,
-                      batch=batch, hidden=text.hidden_size, allreduce_count=count, allreduce_ms=0.0)
-        call = llm.tp.call if llm.tp is not None else (lambda fn, *a: fn(llm.runner, *a))
-        num_blocks = llm.runner.num_blocks
-        if llm.runner.graphs:
-            result["gpu_step_ms"] = call(_replay_ms, batch, context, num_blocks)
-        if tp > 1:
-            result["allreduce_ms"] = call(_allreduce_ms, count, batch, text.hidden_size)
-        print("RESULT", result, flush=True)
-        return result
-    finally:
-        llm.close()
 
 
 def _replay_ms(runner, batch: int, context: int, num_blocks: int) -> float:
