@@ -432,10 +432,11 @@ class Rank0(TensorParallel):
             w.process.join(5)
 
     def abort(self) -> None:
-        """Kill the workers at once (they may be waiting in a collective) and leave the group."""
+        """Kill the workers at once (they may be waiting in a collective) and leave the group; leaving a broken
+        NCCL group can block, so it gets 10 s in a helper thread."""
         self._closing = True
         self._kill_workers()
-        self._finish()
+        self._finish(timeout=GRACE_S)
 
     def close(self) -> None:
         """STOP to every worker, wait for them, leave the process group. Safe to call twice."""
@@ -453,7 +454,7 @@ class Rank0(TensorParallel):
         self._kill_workers()
         self._finish()
 
-    def _finish(self) -> None:
+    def _finish(self, timeout: float | None = None) -> None:
         global _ACTIVE
         if self.closed:
             return
@@ -462,10 +463,12 @@ class Rank0(TensorParallel):
             for conn in (w.cmd, w.report):
                 conn.close()
         if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - a broken group: nothing more to release
-                pass
+            leave = threading.Thread(target=_destroy_group, name="tp-leave", daemon=True)
+            leave.start()
+            leave.join(timeout)
+            if leave.is_alive():
+                print("tensor parallel: leaving the process group did not finish (a peer died inside a collective)",
+                      file=sys.stderr, flush=True)
         shutil.rmtree(self._tmp, ignore_errors=True)
         if _ACTIVE is self:
             _ACTIVE = None
@@ -498,6 +501,13 @@ class Rank0Runner:
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
+
+
+def _destroy_group() -> None:
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - a broken group: nothing more to release
+        pass
 
 
 def _close_active() -> None:
