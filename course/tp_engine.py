@@ -311,12 +311,14 @@ class Rank0(TensorParallel):
                                                     timeout=1.0)
             for obj in ready:
                 w = waiting.get(obj)
-                if w is None or self.failure:                  # a sentinel: the worker exited while building
-                    self.abort()
-                    raise RuntimeError(self.failure or self._dead_message(self._dead_worker(0)))
-                kind, value = w.report.recv()
-                if kind != "ready":
-                    self.failure = f"tensor parallel worker rank {w.rank} failed while building:\n{value}"
+                try:
+                    kind, value = w.report.recv() if w is not None and not self.failure else ("died", None)
+                except EOFError:                               # it exited without a word
+                    kind, value = "died", None
+                if kind != "ready":                            # an error while building, or the process is gone
+                    self.failure = self.failure or (
+                        f"tensor parallel worker rank {w.rank} failed while building:\n{value}" if kind == "error"
+                        else self._dead_message(self._dead_worker(1.0)))
                     self.abort()
                     raise RuntimeError(self.failure)
                 blocks.append(value)

@@ -215,3 +215,20 @@ def test_exit_without_close_and_ctrl_c_leave_no_worker():
             break
         time.sleep(0.1)
     assert _no_process_left(proc)
+
+
+def test_a_model_that_cannot_be_split_is_refused_and_the_next_engine_starts():
+    """nH = 3 over 2 ranks: every rank raises the same ValueError while building; no worker is left behind."""
+    from transformers import Qwen3Config
+    config = Qwen3Config(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=1, num_attention_heads=3,
+                         num_key_value_heads=1, head_dim=16, max_position_embeddings=128)
+    g01 = select.load("g01_gpu_engine")
+    with pytest.raises(ValueError, match="num_attention_heads = 3 is not divisible"):
+        g01.LLM(config, tensor_parallel_size=2, **ENGINE)
+    from course import tp_engine
+    pids = [w.process.pid for w in tp_engine._ACTIVE.workers]
+    folder, prompts = _case("qwen3")
+    ref = [o.token_ids for o in _llm(folder).generate(prompts[:2], _greedy())]
+    with _llm(folder, tensor_parallel_size=2) as llm:            # closes the broken group first
+        assert [o.token_ids for o in llm.generate(prompts[:2], _greedy())] == ref
+    assert all(_gone(pid) for pid in pids) and tp_engine._ACTIVE is None
