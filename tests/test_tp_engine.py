@@ -154,12 +154,26 @@ def _start(body: str):
     return proc, int(line.split()[1])
 
 
-def _no_process_left(proc) -> bool:
-    try:
-        os.killpg(proc.pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
+def _group_left(proc) -> list[str]:
+    """Live processes (not zombies) of the process group the engine's subprocess led: 'pid state' each."""
+    left = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if int(fields[2]) == proc.pid and fields[0] != "Z":
+            left.append(f"{stat.parent.name} {fields[0]}")
+    return left
+
+
+def _wait_group_gone(proc) -> list[str]:
+    for _ in range(50):
+        left = _group_left(proc)
+        if not left:
+            return []
+        time.sleep(0.1)
+    return left
 
 
 def test_killed_worker_is_reported_and_the_engine_exits():
@@ -170,7 +184,8 @@ def test_killed_worker_is_reported_and_the_engine_exits():
             print("ROUND", flush=True)
     """)
     try:
-        assert proc.stdout.readline().startswith("ROUND")
+        line = proc.stdout.readline()
+        assert line.startswith("ROUND"), (line, proc.poll())
         os.kill(worker, signal.SIGKILL)
         start = time.monotonic()
         _, err = proc.communicate(timeout=30)
@@ -178,13 +193,10 @@ def test_killed_worker_is_reported_and_the_engine_exits():
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode != 0
+    assert proc.returncode != 0, f"the engine exited with 0 after its worker was killed: {err[-2000:]}"
     assert "tensor parallel worker rank 1 died (exit code -9)" in err, err[-2000:]
-    for _ in range(50):
-        if _no_process_left(proc):
-            break
-        time.sleep(0.1)
-    assert _no_process_left(proc), "a process of the engine's group outlived it"
+    left = _wait_group_gone(proc)
+    assert not left, f"processes of the engine's group outlived it: {left}; {err[-2000:]}"
 
 
 def test_exit_without_close_and_ctrl_c_leave_no_worker():
@@ -195,7 +207,7 @@ def test_exit_without_close_and_ctrl_c_leave_no_worker():
     """)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0 and "DONE" in out, err[-2000:]
-    assert _no_process_left(proc)
+    assert not _wait_group_gone(proc), f"a worker outlived the script: {_group_left(proc)}"
     proc, worker = _start("""
         print("GO", flush=True)
         while True:
@@ -210,11 +222,8 @@ def test_exit_without_close_and_ctrl_c_leave_no_worker():
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert "KeyboardInterrupt" in err, err[-2000:]
-    for _ in range(50):
-        if _no_process_left(proc):
-            break
-        time.sleep(0.1)
-    assert _no_process_left(proc)
+    left = _wait_group_gone(proc)
+    assert not left, f"a worker outlived Ctrl-C: {left}; {err[-2000:]}"
 
 
 def test_a_model_that_cannot_be_split_is_refused_and_the_next_engine_starts():
