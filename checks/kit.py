@@ -39,6 +39,12 @@ def point(title: str):
 # a check that only means something on a GPU (native Triton at realistic shapes): reported as skipped, never passed
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="需要 GPU")
 
+
+def needs_cuda_devices(count: int):
+    """A check that needs `count` CUDA devices (tensor parallel over NCCL): skipped with fewer, never passed."""
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return pytest.mark.skipif(have < count, reason=f"需要 {count} 块 GPU（这台机器有 {have} 块）")
+
 # Track K: where a check runs the learner's Triton kernels. With CUDA natively on the GPU; without it on the CPU
 # through the Triton interpreter (checks/conftest.py). Inputs are drawn on the CPU (Rand's generator, so a seed
 # replays the same numbers on both machines) and moved with `to_dev`; the torch oracles run on the CPU, and

@@ -2,7 +2,8 @@
 
 Oracles: HF `generate` on the GPU (fp32, TF32 off, eager attention, greedy, no eos) for every family; the
 engine's own eager run for CUDA-graph decode (same shapes, so bf16 must agree token for token); the engine's
-own unconstrained run for prefix caching, chunked prefill and preemption.
+own unconstrained run for prefix caching, chunked prefill and preemption; the engine at TP=1 for TP=2
+(two GPUs, NCCL, one process per rank: course/tp_engine.py), skipped with fewer than 2 GPUs.
 """
 
 from __future__ import annotations
@@ -10,14 +11,19 @@ from __future__ import annotations
 import copy
 import math
 import functools
+import os
+import signal
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from checks import hf_models
-from checks.kit import Rand, explain_crash, impl, point
+from checks.kit import Rand, explain_crash, impl, needs_cuda_devices, point
 
 MODULE = "g01_gpu_engine"
 NEW_TOKENS = 32
@@ -154,26 +160,31 @@ def _real_size(family: str, r: Rand):
                                 attn_implementation="eager", experts_implementation="eager")
 
 
+def _real_size_case(family: str, r: Rand):
+    """An fp32 HF model of _real_size on the GPU, every parameter randomised, saved; (hf, folder, 3 prompts)."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("cuda"):
+        hf = AutoModelForCausalLM.from_config(_real_size(family, r), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name or name.endswith(("A_log", "dt_bias")):
+                p.add_(0.05 * torch.randn(p.shape, generator=r.gen).cuda())
+            else:
+                p.copy_(0.02 * torch.randn(p.shape, generator=r.gen).cuda())
+    prompts = [r.randint(1, 4096, (r.int(20, 200),)).tolist() for _ in range(3)]
+    folder = Path(tempfile.mkdtemp(prefix=f"course-g01-real-{family}-"))
+    hf.save_pretrained(folder)
+    return hf, folder, prompts
+
+
 @point("真实尺寸（Qwen3-0.6B 与 Qwen3.5-35B-A3B 的宽度，少几层）fp32 greedy 与 HF 一致")
 @needs_cuda
 def test_real_size_few_layers():
     r = Rand()
     _fp32()
-    from transformers import AutoModelForCausalLM
     for family in ("qwen3", "qwen3_5_moe_text"):
-        config = _real_size(family, r)
-        with torch.device("cuda"):
-            hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-        with torch.no_grad():
-            for name, p in hf.named_parameters():
-                if "norm" in name or name.endswith(("A_log", "dt_bias")):
-                    p.add_(0.05 * torch.randn(p.shape, generator=r.gen).cuda())
-                else:
-                    p.copy_(0.02 * torch.randn(p.shape, generator=r.gen).cuda())
-        prompts = [r.randint(1, 4096, (r.int(20, 200),)).tolist() for _ in range(3)]
+        hf, folder, prompts = _real_size_case(family, r)
         refs = [_hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
-        folder = Path(tempfile.mkdtemp(prefix=f"course-g01-real-{family}-"))
-        hf.save_pretrained(folder)
         llm = _llm(folder, dtype=torch.float32, max_model_len=1024, num_kvcache_blocks=128)
         outs = llm.generate(prompts, _greedy())
         _assert_same(outs, refs, prompts, f"{family} 真实尺寸", r, hf)
@@ -267,6 +278,131 @@ def test_bad_input_on_gpu():
     _assert_same([outs[0], outs[4]], [refs[0], refs[1]], [prompts[0], prompts[1]], "坏请求旁边的正常请求", r, hf)
     for i, needle in ((1, "empty"), (2, "max_model_len"), (3, "vocab")):
         assert outs[i].error and needle in outs[i].error, f"坏请求 {i} 的错误应提到 {needle!r}：{outs[i].error!r}"
+
+
+# ----------------------------------------------------------------------------- tensor parallel (2 GPUs)
+needs_2_gpus = needs_cuda_devices(2)
+
+
+def _tp_pair(folder, prompts, params, **kwargs):
+    """The same requests at TP=1 and at TP=2 (workers stopped before returning): (outputs, outputs, graphs)."""
+    one = _llm(folder, **kwargs)
+    ref = one.generate(prompts, params)
+    del one
+    torch.cuda.empty_cache()
+    with _llm(folder, tensor_parallel_size=2, **kwargs) as llm:
+        outs = llm.generate(prompts, params)
+        graphs = sorted(llm.runner.graphs)
+    torch.cuda.empty_cache()
+    return ref, outs, graphs
+
+
+@point("TP=2（两块 GPU，NCCL）：fp32 greedy 与 TP=1 逐 token 一致——五个家族，每个 rank 各自的 CUDA graphs")
+@needs_2_gpus
+def test_tp2_matches_tp1_all_families():
+    r = Rand()
+    for family in hf_models.FAMILIES:
+        folder, prompts, refs, hf = _case(family, r.seed)
+        ref, outs, graphs = _tp_pair(folder, prompts, _greedy(), dtype=torch.float32)
+        assert graphs, f"{family}：TP=2 的 rank 0 没有 capture CUDA graph"
+        _assert_same(outs, [o.token_ids for o in ref], prompts, f"{family} TP=2 与 TP=1", r, hf)
+
+
+@point("TP=2：真实宽度（Qwen3-0.6B 与 Qwen3.5-35B-A3B 的宽度，少几层）fp32 greedy 与 TP=1 一致")
+@needs_2_gpus
+def test_tp2_real_size_few_layers():
+    r = Rand()
+    _fp32()
+    for family in ("qwen3", "qwen3_5_moe_text"):
+        hf, folder, prompts = _real_size_case(family, r)
+        ref, outs, _ = _tp_pair(folder, prompts, _greedy(), dtype=torch.float32, max_model_len=1024,
+                                num_kvcache_blocks=128)
+        _assert_same(outs, [o.token_ids for o in ref], prompts, f"{family} 真实宽度 TP=2 与 TP=1", r, hf)
+        del hf
+        torch.cuda.empty_cache()
+
+
+def _first_logits(llm, prompt) -> torch.Tensor:
+    """The logits rank 0's sampler receives for the prompt's first new token (TP=1 and TP=2 alike)."""
+    runner = getattr(llm.runner, "inner", llm.runner)
+    seen, sampler = [], runner.sampler
+    runner.sampler = lambda logits, params, gens: (seen.append(logits.float().cpu()), sampler(logits, params, gens))[1]
+    try:
+        llm.generate([prompt], _greedy(1))
+    finally:
+        runner.sampler = sampler
+    return seen[0][0]
+
+
+@point("TP=2 bf16：首步 logits 与 TP=1 bf16 之差 ≤ 2×（TP=1 bf16 离 fp32 的误差）+ 2% 量级")
+@needs_2_gpus
+def test_tp2_bf16_logits_close_to_tp1():
+    r = Rand()
+    for family in ("qwen3", "qwen3_moe", "qwen3_5_moe_text"):
+        folder, prompts, refs, hf = _case(family, r.seed)
+        prompt = max(prompts, key=len)
+        logits = {}
+        for tp, dtype in ((1, torch.float32), (1, torch.bfloat16), (2, torch.bfloat16)):
+            llm = _llm(folder, dtype=dtype, tensor_parallel_size=tp)
+            try:
+                logits[tp, dtype] = _first_logits(llm, prompt)
+            finally:
+                llm.close()
+            del llm
+            torch.cuda.empty_cache()
+        truth, one, two = logits[1, torch.float32], logits[1, torch.bfloat16], logits[2, torch.bfloat16]
+        err, base = (two - one).abs().max().item(), (one - truth).abs().max().item()
+        scale = truth.abs().max().item()
+        # TP rounds each rank's partial sums to bf16 before the all-reduce: a different rounding, not a larger one
+        assert err <= 2 * base + 0.02 * scale, (f"{family}：TP=2 与 TP=1 的 bf16 首步 logits 相差 {err:.3g}，而 TP=1 bf16 "
+                                                f"离 fp32 只有 {base:.3g}（允许 2 倍 + 2% 量级 {scale:.3g}）")
+        print(f"{family}: bf16 first-step logits |TP2 - TP1| {err:.3g}, |TP1 bf16 - fp32| {base:.3g}, scale {scale:.3g}")
+
+
+@point("TP=2：杀掉 worker 后引擎报出是哪个 rank 并退出，不留下进程")
+@needs_2_gpus
+def test_tp2_killed_worker_ends_the_engine():
+    r = Rand()
+    folder, prompts, refs, hf = _case("qwen3", r.seed)
+    root = Path(__file__).resolve().parent.parent
+    code = "\n".join([
+        "import os, sys, torch",
+        f"sys.path.insert(0, {str(root)!r})",
+        "from course import select",
+        "select.install()",
+        "g01, e01 = select.load('g01_gpu_engine'), select.load('e01_sampling')",
+        f"llm = g01.LLM({str(folder)!r}, device='cuda', tensor_parallel_size=2, dtype=torch.float32, max_num_seqs=16,"
+        " max_model_len=512, num_kvcache_blocks=256)",
+        "print('WORKER', llm.tp.workers[0].process.pid, flush=True)",
+        "params = e01.SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)",
+        "while True:",
+        "    llm.generate([[1, 2, 3]] * 8, params)",
+        "    print('ROUND', flush=True)",
+    ])
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=os.environ.copy())
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("WORKER"), f"TP=2 引擎没有启动：{proc.communicate(timeout=60)[1][-3000:]}"
+        assert proc.stdout.readline().startswith("ROUND")
+        os.kill(int(line.split()[1]), signal.SIGKILL)
+        start = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0 and "tensor parallel worker rank 1 died" in err, \
+        f"worker 被杀后 rank 0 应报出 “tensor parallel worker rank 1 died” 并退出：{err[-3000:]}"
+    for _ in range(100):
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("引擎退出后它的进程组里还有进程（worker 没有跟着 rank 0 退出）")
+    print(f"killed worker reported and engine gone after {took:.1f} s")
 
 
 @point("卡片例子：桶的选择与补齐行")

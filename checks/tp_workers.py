@@ -174,13 +174,14 @@ def vocab(m, rank: int, job: dict, name: str, out: dict) -> None:
 
 
 def model(m, rank: int, job: dict, name: str, out: dict) -> None:
-    """build_model -> tensor_parallel -> load_checkpoint -> logits, recording the structure on the way."""
+    """build_model -> tensor_parallel -> load_checkpoint -> logits, recording the structure on the way
+    (each record as soon as it exists: a later crash still leaves the earlier ones to grade)."""
     j = job[name]
     m06, ctx_cls = select_load("m06_models"), select_load("m04_attention").AttentionContext
     net = m06.build_model(j["config"])
     out["returned_same"] = m.tensor_parallel(net) is net
     out["numel"] = sum(p.numel() for p in net.parameters())
-    attns = [layer.self_attn for layer in net.model.layers]
+    attns = [layer.self_attn for layer in net.model.layers if not layer.is_linear]
     out["heads"] = [(a.num_heads, a.num_kv_heads, a.q_size, a.kv_size) for a in attns]
     out["backend_heads"] = [(a.attn.num_heads, a.attn.num_kv_heads) for a in attns]
     moe = net.model.layers[j["moe_layer"]].mlp if j["moe_layer"] is not None else None
@@ -188,27 +189,39 @@ def model(m, rank: int, job: dict, name: str, out: dict) -> None:
         out["expert_shapes"] = (tuple(moe.experts.gate_up_proj.shape), tuple(moe.experts.down_proj.shape),
                                 tuple(moe.gate.weight.shape))
     out["tied"] = net.lm_head.weight is net.model.embed_tokens.weight
+    gdn = net.model.layers[j["gdn_layer"]].linear_attn if j["gdn_layer"] is not None else None
+    if gdn is not None:
+        out["gdn_dims"] = (gdn.num_k_heads, gdn.num_v_heads, gdn.key_dim, gdn.value_dim, gdn.conv_dim)
+        out["gdn_shapes"] = {n: tuple(p.shape) for n, p in gdn.named_parameters()}
+        pool = select_load("e04_model_runner").GDNStatePool(net, len(j["gdn_lengths"]))
+        out["pool_shapes"] = (tuple(pool.conv[j["gdn_layer"]].shape), tuple(pool.ssm[j["gdn_layer"]].shape))
     m06.load_checkpoint(net, j["folder"])
+    out["qkv_local"] = attns[0].qkv_proj.weight.detach().clone()
     if moe is not None:
         out["expert_local"] = (moe.experts.gate_up_proj[0].clone(), moe.experts.down_proj[0].clone())
         out["moe_probe"] = moe(j["probe"])
+    if gdn is not None:
+        out["gdn_local"] = {n: p.detach().clone() for n, p in gdn.named_parameters()}
+        out["gdn_steps"] = gdn_steps(gdn, pool.conv[j["gdn_layer"]], pool.ssm[j["gdn_layer"]], j)
     ctx = ctx_cls.from_seqlens(j["lengths"])
     out["logits"] = net.compute_logits(net(j["ids"], j["positions"], ctx))
 
 
-def hybrid(m, rank: int, job: dict, name: str, out: dict) -> None:
-    net = select_load("m06_models").build_model(job[name]["config"])
-    before = {n: type(mod).__name__ for n, mod in net.named_modules()}
-    try:
-        m.tensor_parallel(net)
-        out["raised"] = None
-    except ValueError as exc:
-        out["raised"], out["message"] = "ValueError", str(exc)
-    out["changed"] = sorted(n for n, mod in net.named_modules() if before.get(n) != type(mod).__name__)
+def gdn_steps(gdn, conv, ssm, j: dict) -> tuple:
+    """One GatedDeltaNet layer with its state in a GDNStatePool's tensors: a packed prefill of j["gdn_lengths"]
+    tokens (j["gdn_x"]), then one decode token per sequence (j["gdn_next"]). Returns both outputs."""
+    state_cls = select_load("m05_gated_deltanet").GDNState
+    lengths = j["gdn_lengths"]
+    state = state_cls(conv=conv[:len(lengths)], ssm=ssm[:len(lengths)])       # views: updated in place
+    cu = torch.tensor([0] + lengths).cumsum(0).int()
+    prefill = gdn(j["gdn_x"], cu, state)
+    decode = gdn(j["gdn_next"], torch.arange(len(lengths) + 1, dtype=torch.int32), state)
+    return prefill, decode
 
 
 def card(m, rank: int, job: dict, name: str, out: dict) -> None:
-    """The card's worked example: Column(2 -> 4) then Row(4 -> 2, bias); QKV rows; vocab shards of V = 5."""
+    """The card's worked example: Column(2 -> 4) then Row(4 -> 2, bias); QKV rows; vocab shards of V = 5;
+    Gated DeltaNet rows (nk = 2, nv = 4); a single KV head over 2 ranks."""
     j = job[name]
     col, row = m.ColumnParallelLinear(2, 4), m.RowParallelLinear(4, 2, bias=True)
     _load(col.weight, j["w1"]), _load(row.weight, j["w2"]), _load(row.bias, j["b2"])
@@ -221,6 +234,16 @@ def card(m, rank: int, job: dict, name: str, out: dict) -> None:
     emb = m.VocabParallelEmbedding(5, 1)
     _load(emb.weight, j["emb"])
     out["emb_y"] = emb(j["ids"])
+    rows = torch.arange(8.0)                     # Gated DeltaNet nk = 2, nv = 4, dk = dv = 1: q 0 1 | k 2 3 | v 4..7
+    qkv = m.MergedColumnParallelLinear(1, [2, 2, 4])
+    _load(qkv.weight, rows[:, None])
+    conv = m.ParallelConv1d([2, 2, 4], 1)
+    _load(conv.weight, rows[:, None, None])
+    out["gdn_rows"] = (qkv.weight[:, 0].clone(), conv.weight[:, 0, 0].clone())
+    kv1 = m.QKVParallelLinear(1, 1, 2, 1)        # nH = 2, nKV = 1: q 0 1 | k 2 | v 3
+    for p, t in (("q", rows[:2]), ("k", rows[2:3]), ("v", rows[3:4])):
+        _load(kv1.weight, t[:, None], (p,))
+    out["kv1_rows"] = kv1.weight[:, 0].clone()
 
 
 def select_load(module: str):
@@ -228,5 +251,4 @@ def select_load(module: str):
     return select.load(module)
 
 
-SCENARIOS = {"column_row": column_row, "qkv_merged": qkv_merged, "vocab": vocab, "model": model,
-             "hybrid": hybrid, "card": card}
+SCENARIOS = {"column_row": column_row, "qkv_merged": qkv_merged, "vocab": vocab, "model": model, "card": card}

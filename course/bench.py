@@ -7,6 +7,7 @@ Models: the real architectures with dummy bf16 weights built on the GPU (no down
 
     ./check.sh bench [--model qwen3-0.6b|qwen3-30b-a3b|qwen3.5-35b-a3b] [--num-seqs 256] [--peer hf]
                      [--peer-num-seqs 64] [--enforce-eager] [--plot out.png] [--json out.json]
+    ./check.sh bench --tp 2 [--model ...]   the engine at TP=2 and at TP=1 on the same prompts (bench_tp)
     ./check.sh bench k01|k02|k03|k04        the kernel benchmarks of Track K
 """
 
@@ -47,7 +48,7 @@ def workload(num_seqs: int, max_input_len: int, max_output_len: int) -> tuple[li
     return prompts, out_lens
 
 
-def run_engine(args, prompts, out_lens) -> dict:
+def run_engine(args, prompts, out_lens, tp: int = 1) -> dict:
     import torch
     from course import run, select
     selection, report = run.auto_selection(gpu=True)
@@ -60,7 +61,7 @@ def run_engine(args, prompts, out_lens) -> dict:
     t0 = time.perf_counter()
     llm = g01.LLM(hf_config(args.model), max_num_seqs=args.max_num_seqs, max_num_batched_tokens=16384,
                   max_model_len=args.max_model_len, block_size=args.block_size, enforce_eager=args.enforce_eager,
-                  gpu_memory_utilization=0.9)
+                  gpu_memory_utilization=0.9, tensor_parallel_size=tp)
     startup = time.perf_counter() - t0
     # warm-up: Triton compiles a kernel per specialisation on first use (~0.1-0.6 s each); give every path
     # one: short and long prompts, then more prompt tokens than one step takes so that a chunk continues
@@ -71,9 +72,10 @@ def run_engine(args, prompts, out_lens) -> dict:
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in out_lens]
     steps: list[tuple[float, int, bool]] = []       # (seconds, tokens sampled, decode step?)
     inner = llm.step
+    own = getattr(llm.runner, "inner", llm.runner)      # under TP, rank 0's runner inside the step-sending wrapper
     host = _time_calls({"schedule": (llm.scheduler, "schedule"), "postprocess": (llm.scheduler, "postprocess"),
-                        "run": (llm.runner, "run"), "decode inputs + replay launch": (llm.runner, "_run_decode"),
-                        "prefill forward (launch)": (llm.runner, "_run_prefill")})
+                        "run": (llm.runner, "run"), "decode inputs + replay launch": (own, "_run_decode"),
+                        "prefill forward (launch)": (own, "_run_prefill")})
 
     def step():
         t = time.perf_counter()
@@ -112,7 +114,13 @@ def run_engine(args, prompts, out_lens) -> dict:
                                                              (sum(map(len, prompts)) + tokens) // len(prompts))
         except Exception as exc:          # a diagnostic only: never lose the measured throughput over it
             print(f"graph_step_ms failed: {exc!r}")
+    if tp > 1:                            # what one decode step communicates, timed on its own
+        text = getattr(llm.model.config, "text_config", llm.model.config)
+        result.update(tp=tp, batch=min(len(prompts), args.max_num_seqs), hidden=text.hidden_size,
+                      allreduce_count=2 * text.num_hidden_layers + 1)
+        result["allreduce_ms"] = llm.tp.call(_allreduce_ms, result["allreduce_count"], result["batch"], text.hidden_size)
     llm.step = inner
+    llm.close()
     del llm, inner, step
     import gc
     gc.collect()
@@ -164,25 +172,11 @@ def time_breakdown(result: dict) -> list[str]:
 
 
 def graph_step_ms(llm, batch: int, context: int) -> float:
-    """GPU time of one decode step (graph replay) at `batch` sequences of `context` tokens: the step's floor."""
-    import torch
-    runner = llm.runner
-    bs = next(b for b in sorted(runner.graphs) if b >= min(batch, max(runner.graphs)))
-    per_seq = -(-context // runner.block_size)
-    s = runner.static
-    blocks = torch.randperm(runner.num_blocks, device=s["tables"].device)[:bs * per_seq].view(bs, per_seq)
-    s["tables"][:bs, :per_seq] = blocks.int()
-    s["lens"][:bs] = context
-    s["pos"][:bs] = context - 1
-    s["slots"][:bs] = blocks[:, -1] * runner.block_size
-    runner.graphs[bs].replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        runner.graphs[bs].replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 20
+    """GPU time of one decode step (graph replay) at `batch` sequences of `context` tokens: the step's floor.
+    Under tensor parallel every rank replays at once (the graph holds NCCL all-reduces)."""
+    if getattr(llm, "tp", None) is not None:
+        return llm.tp.call(_replay_ms, batch, context, llm.runner.num_blocks)
+    return _replay_ms(llm.runner, batch, context, llm.runner.num_blocks)
 
 
 def run_hf_peer(args, prompts, out_lens) -> dict:
@@ -257,11 +251,15 @@ def main(argv: list[str], say) -> int:
                    help="a smaller shared workload for both (HF needs minutes for the full one)")
     p.add_argument("--plot", default=None)
     p.add_argument("--json", default=None)
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size: run TP=N and TP=1 side by side")
+    p.add_argument("--tp-run", type=int, default=0, help=argparse.SUPPRESS)     # one engine, in a child process
     args = p.parse_args(argv)
     import torch
     if not torch.cuda.is_available():
         say("[yellow]./check.sh bench 需要 NVIDIA GPU（CUDA）；这台机器没有，未运行。[/]")
         return 2
+    if args.tp > 1 or args.tp_run:
+        return bench_tp(args, argv, say)
     from rich.table import Table
     prompts, out_lens = workload(args.num_seqs, args.max_input_len, args.max_output_len)
     results = [run_engine(args, prompts, out_lens)]
@@ -319,3 +317,97 @@ def main(argv: list[str], say) -> int:
     if args.json:
         open(args.json, "w").write(line)
     return 0
+
+
+def bench_tp(args, argv: list[str], say) -> int:
+    """`--tp N`: the engine at TP=N, then at TP=1, each in its own process (GPU memory starts clean), on the same
+    prompts; prints both, the speed-up, and where a decode step's time goes.
+
+    decode step (GPU): one CUDA-graph replay on every rank at once, batch min(num_seqs, max_num_seqs), every
+    sequence at the workload's mean context, timed with CUDA events on rank 0. all-reduce: the same number
+    (2 per layer + 1 for the embedding) of NCCL all-reduces of the same size ([batch, H] in bf16), timed the
+    same way on their own; their share of the decode step is an estimate (inside the graph they overlap
+    nothing, so it is close).
+    """
+    import subprocess
+    import sys
+    import torch
+    if args.tp_run:                                     # the child: one engine, one JSON line
+        result = run_engine(args, *workload(args.num_seqs, args.max_input_len, args.max_output_len), tp=args.tp_run)
+        result.pop("timeline")
+        print("TP_JSON " + json.dumps({"tp": args.tp_run, "allreduce_ms": 0.0, **result}), flush=True)
+        return 0
+    if torch.cuda.device_count() < args.tp:
+        say(f"[yellow]--tp {args.tp} 需要 {args.tp} 块 GPU，这台机器有 {torch.cuda.device_count()} 块；未运行。[/]")
+        return 2
+    results = []
+    for tp in (args.tp, 1):
+        cmd = [sys.executable, "-m", "course", "bench", *argv, "--tp-run", str(tp)]
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("TP_JSON ")]
+        print("\n".join(line for line in proc.stdout.splitlines() if not line.startswith("TP_JSON ")), flush=True)
+        if proc.returncode or not lines:
+            say(f"[red]TP={tp} 的运行失败（exit {proc.returncode}）[/]")
+            return 1
+        results.append(json.loads(lines[-1][len("TP_JSON "):]))
+    from rich.table import Table
+    table = Table(title=f"./check.sh bench --tp {args.tp} --model {args.model}  ({torch.cuda.get_device_name()})")
+    for col in ("TP", "output tok/s", "decode tok/s", "decode step ms (wall)", "decode step ms (GPU)",
+                "all-reduce ms / step", "all-reduce share", "start-up s"):
+        table.add_column(col)
+    for r in results:
+        share = r["allreduce_ms"] / r["gpu_decode_step_ms"] if r.get("gpu_decode_step_ms") else 0.0
+        table.add_row(str(r["tp"]), f"{r['tok_per_s']:.0f}", f"{r['decode_tok_per_s']:.0f}",
+                      f"{r['mean_decode_step_ms']:.2f}", f"{r.get('gpu_decode_step_ms', 0):.2f}",
+                      f"{r['allreduce_ms']:.3f}", f"{share:.0%}", f"{r['startup_s']:.1f}")
+    say(table)
+    tp_n, tp_1 = results
+    say(f"[bold]speed-up TP={args.tp} / TP=1: {tp_n['tok_per_s'] / tp_1['tok_per_s']:.2f}× output tok/s, "
+        f"{tp_n['decode_tok_per_s'] / tp_1['decode_tok_per_s']:.2f}× decode tok/s[/]  "
+        f"(all-reduce: {tp_n['allreduce_count']} × [{tp_n['batch']}, {tp_n['hidden']}] bf16 per decode step)")
+    line = json.dumps(results)
+    print("BENCH_JSON " + line)
+    if args.json:
+        open(args.json, "w").write(line)
+    return 0
+
+
+def _replay_ms(runner, batch: int, context: int, num_blocks: int) -> float:
+    """GPU time of one decode-graph replay at `batch` sequences of `context` tokens (every rank calls it)."""
+    import torch
+    bs = next(b for b in sorted(runner.graphs) if b >= min(batch, max(runner.graphs)))
+    per_seq = -(-context // runner.block_size)
+    s = runner.static
+    gen = torch.Generator(device=s["tables"].device).manual_seed(0)
+    blocks = torch.randperm(num_blocks, device=s["tables"].device, generator=gen)[:bs * per_seq].view(bs, per_seq)
+    with torch.inference_mode():
+        s["tables"][:bs, :per_seq] = blocks.int()
+        s["lens"][:bs] = context
+        s["pos"][:bs] = context - 1
+        s["slots"][:bs] = blocks[:, -1] * runner.block_size
+        runner.graphs[bs].replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            runner.graphs[bs].replay()
+        end.record()
+        torch.cuda.synchronize()
+    return start.elapsed_time(end) / 20
+
+
+def _allreduce_ms(runner, count: int, rows: int, hidden: int) -> float:
+    """`count` NCCL all-reduces of [rows, hidden] bf16, back to back: what one decode step communicates."""
+    import torch
+    import torch.distributed as dist
+    x = torch.zeros(rows, hidden, dtype=torch.bfloat16, device=runner.device)   # sums stay finite
+    for _ in range(3):
+        dist.all_reduce(x)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        for _ in range(count):
+            dist.all_reduce(x)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 5

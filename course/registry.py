@@ -93,7 +93,7 @@ CATALOGUE: list[Exercise] = [
     Exercise("m04", "attention", "Attention：packed varlen 上的 QK-norm GQA 与 gated attention", 70, "中"),
     Exercise("m05", "gated_deltanet", "Gated DeltaNet：causal conv、delta rule 的递推与分块形式", 120, "难"),
     Exercise("m06", "models", "模型组装与 HF checkpoint 加载", 90, "中"),
-    Exercise("m07", "tensor_parallel", "Tensor parallel 线性层、词表并行 embedding 与 LM head", 70, "中"),
+    Exercise("m07", "tensor_parallel", "Tensor parallel 线性层、词表并行 embedding 与 LM head", 90, "中"),
     Exercise("e01", "sampling", "Sampling：SamplingParams 校验与按请求的批量采样", 45, "易"),
     Exercise("e02", "block_manager", "Paged KV cache：block manager、引用计数与 prefix caching", 75, "中"),
     Exercise("e03", "scheduler", "Scheduler：continuous batching、chunked prefill 与抢占", 75, "难"),

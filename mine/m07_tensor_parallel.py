@@ -17,6 +17,16 @@ shards of ceil(V/tp) rows: the embedding zeroes ids outside its shard and all-re
 all-gathers its logit columns. Each parameter carries weight_loader(param, full_tensor, shard) -> number
 of values written, which m06's load_checkpoint calls with the full HF tensor.
 
+Fewer KV heads than ranks (nKV < tp, tp a multiple of nKV): every rank keeps one KV head, rank r the
+head r * nKV // tp, so each KV head is replicated on tp / nKV ranks (as vLLM's QKVParallelLinear).
+
+Gated DeltaNet splits by heads as well: rank r keeps key heads r*nk/tp .. and value heads r*nv/tp ..;
+value head j reads key head j // (nv/nk), so a key head and its value heads stay on one rank. The packed
+in_proj_qkv [q_all | k_all | v_all] and the conv1d channels (same order) are split per part, local
+[q_r | k_r | v_r]; in_proj_z / b / a, A_log and dt_bias follow the value heads; the gated RMSNorm weight
+[dv] is shared by every head and stays whole; out_proj is row parallel. The recurrent rule runs per value
+head, so no communication is added, and each rank's state pool holds only its own heads.
+
 At tp = 1 every layer equals nn.Linear / nn.Embedding and never calls torch.distributed.
 
 Lesson: lessons/m07_tensor_parallel.md (#7 · 书 §M.7).
@@ -73,7 +83,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         raise NotImplementedError("m07: 请实现 MergedColumnParallelLinear.__init__（见 lessons/m07_tensor_parallel.md）")
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple = ()) -> int:
-        """shard (i,): loaded is part i in full [output_sizes[i], ...]; its rank slice goes to local part i."""
+        """shard (i,): loaded is part i in full [output_sizes[i], ...]; its rank slice goes to local part i.
+        shard (): loaded packs every part [part 0 | part 1 | ...] (Qwen3.5's in_proj_qkv): each part on its own."""
         raise NotImplementedError("m07: 请实现 MergedColumnParallelLinear.weight_loader（见 lessons/m07_tensor_parallel.md）")
 
 
@@ -82,8 +93,10 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __init__(self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int,
                  bias: bool = False, q_head_size_factor: int = 1):
-        """num_heads / num_kv_heads = totals / tp; q rows per head = q_head_size_factor * head_size
-        (2 for gated attention, whose q_proj rows are per head [q_h | gate_h])."""
+        """num_heads = total_num_heads / tp; num_kv_heads = total_num_kv_heads / tp, or 1 when there are fewer
+        KV heads than ranks (kv_replicas = tp / total_num_kv_heads ranks then share each KV head; ValueError
+        unless tp is a multiple of it); q rows per head = q_head_size_factor * head_size (2 for gated
+        attention, whose q_proj rows are per head [q_h | gate_h])."""
         raise NotImplementedError("m07: 请实现 QKVParallelLinear.__init__（见 lessons/m07_tensor_parallel.md）")
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple = ()) -> int:
@@ -147,6 +160,24 @@ class ParallelExperts(nn.Module):
         raise NotImplementedError("m07: 请实现 ParallelExperts.weight_loader（见 lessons/m07_tensor_parallel.md）")
 
 
+class ParallelConv1d(nn.Conv1d):
+    """Gated DeltaNet's depthwise conv1d over the packed [q | k | v] channels: this rank's channels of each part."""
+
+    def __init__(self, part_sizes: list[int], kernel_size: int):
+        """weight [C / tp, 1, K] (C = sum(part_sizes)), no bias, with a weight_loader. A depthwise conv mixes no
+        channels, so it splits like a column layer: local channels [q_r | k_r | v_r], the columns of in_proj_qkv."""
+        raise NotImplementedError("m07: 请实现 ParallelConv1d.__init__（见 lessons/m07_tensor_parallel.md）")
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple = ()) -> int:
+        """loaded [C, 1, K] with channels [q_all | k_all | v_all]: each part's rank slice, in that order."""
+        raise NotImplementedError("m07: 请实现 ParallelConv1d.weight_loader（见 lessons/m07_tensor_parallel.md）")
+
+
+def _value_head_rows(param: nn.Parameter, loaded: torch.Tensor, shard: tuple = ()) -> int:
+    """weight_loader of A_log / dt_bias [nv / tp]: this rank's value heads of the full [nv]."""
+    raise NotImplementedError("m07: 请实现 _value_head_rows（见 lessons/m07_tensor_parallel.md）")
+
+
 def _all_reduce_output(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
     """Forward hook: the block's output is a partial sum on every rank; make it the full sum."""
     dist.all_reduce(output)
@@ -161,7 +192,8 @@ def _swap(parent: nn.Module, name: str, new: nn.Module) -> None:
 
 def _parallel_attention(attn: nn.Module) -> None:
     """qkv_proj -> QKVParallelLinear (q_head_size_factor 2 for GatedAttention), o_proj -> RowParallelLinear;
-    num_heads, num_kv_heads, q_size, kv_size and the backend's attn.num_heads / attn.num_kv_heads divided by tp."""
+    num_heads, num_kv_heads, q_size, kv_size and the backend's attn.num_heads / attn.num_kv_heads become this
+    rank's (num_heads / tp; num_kv_heads / tp, or 1 when KV heads are replicated)."""
     raise NotImplementedError("m07: 请实现 _parallel_attention（见 lessons/m07_tensor_parallel.md）")
 
 
@@ -172,14 +204,22 @@ def _parallel_mlp(mlp: nn.Module) -> None:
     raise NotImplementedError("m07: 请实现 _parallel_mlp（见 lessons/m07_tensor_parallel.md）")
 
 
+def _parallel_gdn(gdn: nn.Module) -> None:
+    """A GatedDeltaNet split by heads: in_proj_qkv -> MergedColumnParallelLinear over [key_dim, key_dim,
+    value_dim] and conv1d -> ParallelConv1d over the same parts; in_proj_z / b / a -> ColumnParallelLinear
+    (by value head); A_log, dt_bias -> this rank's value heads (weight_loader _value_head_rows); norm (one
+    [dv] weight shared by every head) unchanged; out_proj -> RowParallelLinear. num_k_heads, num_v_heads,
+    key_dim, value_dim and conv_dim become this rank's: the state pool sizes its states from them."""
+    raise NotImplementedError("m07: 请实现 _parallel_gdn（见 lessons/m07_tensor_parallel.md）")
+
+
 def tensor_parallel(model: nn.Module, rank: int | None = None, world_size: int | None = None) -> nn.Module:
     """Rewrite an m06 model in place for this rank, before its weights are loaded; returns the same model.
 
     rank / world_size default to tp_info(). world_size 1: the model is returned untouched (given as 1, not
     even tp_info() is called). Otherwise torch.distributed must already run with exactly this rank and
-    world size (else ValueError). Gated DeltaNet layers: ValueError("tensor parallel for Gated DeltaNet
-    layers is not supported"), raised before anything changes. Rewrites every self_attn
-    (_parallel_attention), every mlp (_parallel_mlp), model.embed_tokens -> VocabParallelEmbedding and
-    lm_head -> ParallelLMHead (tied embeddings: lm_head.weight is embed_tokens.weight again).
+    world size (else ValueError). Rewrites every self_attn (_parallel_attention), every linear_attn
+    (_parallel_gdn), every mlp (_parallel_mlp), model.embed_tokens -> VocabParallelEmbedding and lm_head ->
+    ParallelLMHead (tied embeddings: lm_head.weight is embed_tokens.weight again).
     """
     raise NotImplementedError("m07: 请实现 tensor_parallel（见 lessons/m07_tensor_parallel.md）")

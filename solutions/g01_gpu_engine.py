@@ -39,7 +39,7 @@ from .e02_block_manager import BlockManager, Sequence
 from .e03_scheduler import Scheduler, SchedulerConfig
 from .e04_model_runner import GDNStatePool, ModelRunner, PagedAttention, prepare_batch
 from .e05_engine import LLM as CPULLM
-from .e05_engine import EngineConfig
+from .e05_engine import EngineConfig, _load
 from .k01_triton_basics import add_rms_norm
 from .k02_paged_attention import TritonPagedAttention
 from .k03_fused_moe import fused_moe_forward
@@ -151,6 +151,8 @@ class KernelMoE(nn.Module):
     def __init__(self, block: SparseMoeBlock):
         super().__init__()
         self.block = block
+        for hook in block._forward_hooks.values():    # m07's all-reduce of the partial sums under tensor parallel
+            self.register_forward_hook(hook)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = self.block
@@ -526,14 +528,30 @@ class LLM(CPULLM):
     """e05's engine with a device: `LLM(model, device="cuda")` runs GPUModelRunner, `device="cpu"` e04's runner.
 
     Extra settings: device (default CUDA when available), gpu_memory_utilization (KV cache from free memory
-    when num_kvcache_blocks is None), enforce_eager (no CUDA graphs). dtype defaults to bf16 on CUDA.
+    when num_kvcache_blocks is None), enforce_eager (no CUDA graphs), tensor_parallel_size (one process per
+    rank, rank r on cuda:r, NCCL; gloo on the CPU: course/tp_engine.py). dtype defaults to bf16 on CUDA.
+    With tensor_parallel_size > 1, close() (or `with LLM(...) as llm:`) stops the worker processes.
     """
 
     def __init__(self, model, tokenizer=None, device: str | torch.device | None = None,
-                 gpu_memory_utilization: float = 0.9, enforce_eager: bool = False, **kwargs):
+                 gpu_memory_utilization: float = 0.9, enforce_eager: bool = False, tensor_parallel_size: int = 1,
+                 **kwargs):
         device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
+        self.tp = None
+        if tensor_parallel_size > 1:      # this process is rank 0 (or a worker): TP=1 never imports any of it
+            from course.tp_engine import TensorParallel
+            self.tp = TensorParallel.start(type(self), tensor_parallel_size, device, model, dict(
+                gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, **kwargs))
+            device = self.tp.device                                     # cuda:rank
         if device.type != "cuda":
+            if self.tp is not None:       # shard before e05 sizes the KV cache from the model's heads
+                model, tokenizer = _load(model, tokenizer, EngineConfig(**kwargs))
+                model = self.tp.shard(model)
             super().__init__(model, tokenizer, **kwargs)
+            if self.tp is not None:
+                self.runner = self.tp.attach(self.runner)
             return
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
@@ -545,6 +563,8 @@ class LLM(CPULLM):
         else:
             self.model, loaded_tokenizer = build_on_device(model, config.dtype, device, config.seed)
             self.tokenizer = tokenizer or loaded_tokenizer
+        if self.tp is not None:           # the full model -> this rank's shard (m07), before the KV cache is sized
+            self.model = self.tp.shard(self.model)
         hf_config = text_config(self.model.config)
         self.vocab_size = hf_config.vocab_size
         eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer else getattr(hf_config, "eos_token_id", None)
@@ -556,6 +576,8 @@ class LLM(CPULLM):
                              "state per sequence, so it must be off for hybrid models")
         self.runner = GPUModelRunner(self.model, config.block_size, config.max_num_seqs, config.max_model_len,
                                      config.max_num_batched_tokens, num_blocks, gpu_memory_utilization, enforce_eager)
+        if self.tp is not None:           # rank 0: every worker ready; KV blocks = the fewest any rank has
+            self.runner = self.tp.attach(self.runner)
         config.num_kvcache_blocks = self.runner.num_blocks
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, enable_prefix_caching=prefix)
         self.scheduler = Scheduler(SchedulerConfig(
@@ -563,6 +585,17 @@ class LLM(CPULLM):
             max_model_len=config.max_model_len, eos_token_id=-1 if eos is None else int(eos),
             enable_chunked_prefill=config.enable_chunked_prefill), self.block_manager)
         self.requests: dict[int, Sequence] = {}
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers and leave the process group (nothing to do at TP=1)."""
+        if self.tp is not None:
+            self.tp.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 __all__ = ["LLM", "GPUModelRunner", "PoolState", "KernelNorm", "KernelMoE", "KernelGDN", "use_kernels",

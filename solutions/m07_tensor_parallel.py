@@ -17,6 +17,16 @@ shards of ceil(V/tp) rows: the embedding zeroes ids outside its shard and all-re
 all-gathers its logit columns. Each parameter carries weight_loader(param, full_tensor, shard) -> number
 of values written, which m06's load_checkpoint calls with the full HF tensor.
 
+Fewer KV heads than ranks (nKV < tp, tp a multiple of nKV): every rank keeps one KV head, rank r the
+head r * nKV // tp, so each KV head is replicated on tp / nKV ranks (as vLLM's QKVParallelLinear).
+
+Gated DeltaNet splits by heads as well: rank r keeps key heads r*nk/tp .. and value heads r*nv/tp ..;
+value head j reads key head j // (nv/nk), so a key head and its value heads stay on one rank. The packed
+in_proj_qkv [q_all | k_all | v_all] and the conv1d channels (same order) are split per part, local
+[q_r | k_r | v_r]; in_proj_z / b / a, A_log and dt_bias follow the value heads; the gated RMSNorm weight
+[dv] is shared by every head and stays whole; out_proj is row parallel. The recurrent rule runs per value
+head, so no communication is added, and each rank's state pool holds only its own heads.
+
 At tp = 1 every layer equals nn.Linear / nn.Embedding and never calls torch.distributed.
 
 Lesson: lessons/m07_tensor_parallel.md (#7 · 书 §M.7).
@@ -88,7 +98,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple = ()) -> int:
-        """shard (i,): loaded is part i in full [output_sizes[i], ...]; its rank slice goes to local part i."""
+        """shard (i,): loaded is part i in full [output_sizes[i], ...]; its rank slice goes to local part i.
+        shard (): loaded packs every part [part 0 | part 1 | ...] (Qwen3.5's in_proj_qkv): each part on its own."""
+        if not shard:
+            parts = loaded.split(self.output_sizes)
+            return sum(self.weight_loader(param, part, (i,)) for i, part in enumerate(parts))
         i = shard[0]
         size = self.output_sizes[i] // self.tp_size                 # this rank's rows of part i
         offset = sum(self.output_sizes[:i]) // self.tp_size          # where part i starts in the local rows
@@ -102,13 +116,22 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __init__(self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int,
                  bias: bool = False, q_head_size_factor: int = 1):
-        """num_heads / num_kv_heads = totals / tp; q rows per head = q_head_size_factor * head_size
-        (2 for gated attention, whose q_proj rows are per head [q_h | gate_h])."""
+        """num_heads = total_num_heads / tp; num_kv_heads = total_num_kv_heads / tp, or 1 when there are fewer
+        KV heads than ranks (kv_replicas = tp / total_num_kv_heads ranks then share each KV head; ValueError
+        unless tp is a multiple of it); q rows per head = q_head_size_factor * head_size (2 for gated
+        attention, whose q_proj rows are per head [q_h | gate_h])."""
         tp_size = tp_info()[1]
         self.head_size, self.q_head_size_factor = head_size, q_head_size_factor
         self.num_heads = _divide(total_num_heads, tp_size, "num_attention_heads")
-        self.num_kv_heads = _divide(total_num_kv_heads, tp_size, "num_key_value_heads")
-        rows = (total_num_heads * q_head_size_factor + 2 * total_num_kv_heads) * head_size
+        if total_num_kv_heads >= tp_size:
+            self.num_kv_heads = _divide(total_num_kv_heads, tp_size, "num_key_value_heads")
+        elif tp_size % total_num_kv_heads:
+            raise ValueError(f"num_key_value_heads = {total_num_kv_heads} < tensor parallel size {tp_size}: KV heads "
+                             "are replicated, so the tensor parallel size must be a multiple of it")
+        else:
+            self.num_kv_heads = 1                                     # one KV head per rank, replicated
+        self.kv_replicas = tp_size * self.num_kv_heads // total_num_kv_heads
+        rows = (total_num_heads * q_head_size_factor + 2 * self.num_kv_heads * tp_size) * head_size
         super().__init__(hidden_size, rows, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple = ()) -> int:
@@ -116,8 +139,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         q_rows = self.num_heads * self.q_head_size_factor * self.head_size
         kv_rows = self.num_kv_heads * self.head_size
         offset, size = {"q": (0, q_rows), "k": (q_rows, kv_rows), "v": (q_rows + kv_rows, kv_rows)}[shard[0]]
+        block = self.tp_rank if shard[0] == "q" else self.tp_rank // self.kv_replicas   # replicas share a KV head
         target = param.data.narrow(0, offset, size)
-        target.copy_(loaded.narrow(0, self.tp_rank * size, size))     # heads rank*n .. (rank+1)*n of this part
+        target.copy_(loaded.narrow(0, block * size, size))            # heads block*n .. (block+1)*n of this part
         return target.numel()
 
 
@@ -226,6 +250,32 @@ class ParallelExperts(nn.Module):
         return target.numel()
 
 
+class ParallelConv1d(nn.Conv1d):
+    """Gated DeltaNet's depthwise conv1d over the packed [q | k | v] channels: this rank's channels of each part."""
+
+    def __init__(self, part_sizes: list[int], kernel_size: int):
+        """weight [C / tp, 1, K] (C = sum(part_sizes)), no bias, with a weight_loader. A depthwise conv mixes no
+        channels, so it splits like a column layer: local channels [q_r | k_r | v_r], the columns of in_proj_qkv."""
+        tp_rank, tp_size = tp_info()
+        channels = sum(_divide(size, tp_size, "conv1d channels of a part") for size in part_sizes)
+        super().__init__(channels, channels, kernel_size, groups=channels, bias=False)
+        self.tp_rank, self.tp_size, self.part_sizes = tp_rank, tp_size, list(part_sizes)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: tuple = ()) -> int:
+        """loaded [C, 1, K] with channels [q_all | k_all | v_all]: each part's rank slice, in that order."""
+        pieces = [part.chunk(self.tp_size)[self.tp_rank] for part in loaded.split(self.part_sizes)]
+        param.data.copy_(torch.cat(pieces))
+        return param.numel()
+
+
+def _value_head_rows(param: nn.Parameter, loaded: torch.Tensor, shard: tuple = ()) -> int:
+    """weight_loader of A_log / dt_bias [nv / tp]: this rank's value heads of the full [nv]."""
+    rows = param.shape[0]
+    param.data.copy_(loaded.narrow(0, tp_info()[0] * rows, rows))
+    return param.numel()
+
+
 def _all_reduce_output(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
     """Forward hook: the block's output is a partial sum on every rank; make it the full sum."""
     dist.all_reduce(output)
@@ -240,14 +290,15 @@ def _swap(parent: nn.Module, name: str, new: nn.Module) -> None:
 
 def _parallel_attention(attn: nn.Module) -> None:
     """qkv_proj -> QKVParallelLinear (q_head_size_factor 2 for GatedAttention), o_proj -> RowParallelLinear;
-    num_heads, num_kv_heads, q_size, kv_size and the backend's attn.num_heads / attn.num_kv_heads divided by tp."""
-    tp_size = tp_info()[1]
+    num_heads, num_kv_heads, q_size, kv_size and the backend's attn.num_heads / attn.num_kv_heads become this
+    rank's (num_heads / tp; num_kv_heads / tp, or 1 when KV heads are replicated)."""
     hidden = attn.o_proj.out_features
     factor = 2 if isinstance(attn, GatedAttention) else 1            # gated q rows: per head [q_h | gate_h]
-    _swap(attn, "qkv_proj", QKVParallelLinear(hidden, attn.head_dim, attn.num_heads, attn.num_kv_heads,
-                                              attn.qkv_proj.bias is not None, factor))
+    qkv = QKVParallelLinear(hidden, attn.head_dim, attn.num_heads, attn.num_kv_heads,
+                            attn.qkv_proj.bias is not None, factor)
+    _swap(attn, "qkv_proj", qkv)
     _swap(attn, "o_proj", RowParallelLinear(attn.o_proj.in_features, hidden, attn.o_proj.bias is not None))
-    attn.num_heads, attn.num_kv_heads = attn.num_heads // tp_size, attn.num_kv_heads // tp_size
+    attn.num_heads, attn.num_kv_heads = qkv.num_heads, qkv.num_kv_heads
     attn.q_size, attn.kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
     attn.attn.num_heads, attn.attn.num_kv_heads = attn.num_heads, attn.num_kv_heads
 
@@ -268,15 +319,40 @@ def _parallel_mlp(mlp: nn.Module) -> None:
     _swap(mlp, "down_proj", RowParallelLinear(inter, hidden))
 
 
+def _parallel_gdn(gdn: nn.Module) -> None:
+    """A GatedDeltaNet split by heads: in_proj_qkv -> MergedColumnParallelLinear over [key_dim, key_dim,
+    value_dim] and conv1d -> ParallelConv1d over the same parts; in_proj_z / b / a -> ColumnParallelLinear
+    (by value head); A_log, dt_bias -> this rank's value heads (weight_loader _value_head_rows); norm (one
+    [dv] weight shared by every head) unchanged; out_proj -> RowParallelLinear. num_k_heads, num_v_heads,
+    key_dim, value_dim and conv_dim become this rank's: the state pool sizes its states from them."""
+    tp_size = tp_info()[1]
+    hidden = gdn.out_proj.out_features
+    num_k_heads = _divide(gdn.num_k_heads, tp_size, "linear_num_key_heads")
+    num_v_heads = _divide(gdn.num_v_heads, tp_size, "linear_num_value_heads")
+    parts = [gdn.key_dim, gdn.key_dim, gdn.value_dim]                 # [q_all | k_all | v_all]
+    _swap(gdn, "in_proj_qkv", MergedColumnParallelLinear(hidden, parts))
+    _swap(gdn, "conv1d", ParallelConv1d(parts, gdn.conv1d.kernel_size[0]))
+    _swap(gdn, "in_proj_z", ColumnParallelLinear(hidden, gdn.value_dim))
+    _swap(gdn, "in_proj_b", ColumnParallelLinear(hidden, gdn.num_v_heads))
+    _swap(gdn, "in_proj_a", ColumnParallelLinear(hidden, gdn.num_v_heads))
+    for name in ("A_log", "dt_bias"):                                 # [nv] -> [nv / tp]
+        param = nn.Parameter(getattr(gdn, name).new_empty(num_v_heads))
+        param.weight_loader = _value_head_rows
+        setattr(gdn, name, param)
+    _swap(gdn, "out_proj", RowParallelLinear(gdn.value_dim, hidden))
+    gdn.num_k_heads, gdn.num_v_heads = num_k_heads, num_v_heads
+    gdn.key_dim, gdn.value_dim = num_k_heads * gdn.head_k_dim, num_v_heads * gdn.head_v_dim
+    gdn.conv_dim = 2 * gdn.key_dim + gdn.value_dim
+
+
 def tensor_parallel(model: nn.Module, rank: int | None = None, world_size: int | None = None) -> nn.Module:
     """Rewrite an m06 model in place for this rank, before its weights are loaded; returns the same model.
 
     rank / world_size default to tp_info(). world_size 1: the model is returned untouched (given as 1, not
     even tp_info() is called). Otherwise torch.distributed must already run with exactly this rank and
-    world size (else ValueError). Gated DeltaNet layers: ValueError("tensor parallel for Gated DeltaNet
-    layers is not supported"), raised before anything changes. Rewrites every self_attn
-    (_parallel_attention), every mlp (_parallel_mlp), model.embed_tokens -> VocabParallelEmbedding and
-    lm_head -> ParallelLMHead (tied embeddings: lm_head.weight is embed_tokens.weight again).
+    world size (else ValueError). Rewrites every self_attn (_parallel_attention), every linear_attn
+    (_parallel_gdn), every mlp (_parallel_mlp), model.embed_tokens -> VocabParallelEmbedding and lm_head ->
+    ParallelLMHead (tied embeddings: lm_head.weight is embed_tokens.weight again).
     """
     if world_size == 1:
         return model
@@ -288,11 +364,11 @@ def tensor_parallel(model: nn.Module, rank: int | None = None, world_size: int |
     if (rank, world_size) != actual:
         raise ValueError(f"tensor_parallel(rank={rank}, world_size={world_size}) needs torch.distributed "
                          f"initialised with that rank and world size first; it runs as {actual}")
-    layers = model.model.layers
-    if any(layer.is_linear for layer in layers):
-        raise ValueError("tensor parallel for Gated DeltaNet layers is not supported")
-    for layer in layers:
-        _parallel_attention(layer.self_attn)
+    for layer in model.model.layers:
+        if layer.is_linear:
+            _parallel_gdn(layer.linear_attn)
+        else:
+            _parallel_attention(layer.self_attn)
         _parallel_mlp(layer.mlp)
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     vocab, hidden = model.model.embed_tokens.weight.shape

@@ -19,8 +19,9 @@ PLANTS = [
           expect="bias 在每个 rank 上都加了"),
     Plant("qkv_halves", "QKV 的 weight_loader 把拼接后的 [q|k|v] 整体对半切",
           old="        offset, size = {\"q\": (0, q_rows), \"k\": (q_rows, kv_rows), \"v\": (q_rows + kv_rows, kv_rows)}[shard[0]]\n"
+              "        block = self.tp_rank if shard[0] == \"q\" else self.tp_rank // self.kv_replicas   # replicas share a KV head\n"
               "        target = param.data.narrow(0, offset, size)\n"
-              "        target.copy_(loaded.narrow(0, self.tp_rank * size, size))     # heads rank*n .. (rank+1)*n of this part\n"
+              "        target.copy_(loaded.narrow(0, block * size, size))            # heads block*n .. (block+1)*n of this part\n"
               "        return target.numel()\n",
           new="        rows, total_q = param.shape[0], q_rows * self.tp_size\n"
               "        start = {\"q\": 0, \"k\": total_q, \"v\": total_q + kv_rows * self.tp_size}[shard[0]]\n"
@@ -68,7 +69,7 @@ PLANTS = [
           new="",
           expect="attention backend"),
     Plant("module_heads_not_divided", "attention 模块的 head 数 / q_size 没有除以 tp",
-          old="    attn.num_heads, attn.num_kv_heads = attn.num_heads // tp_size, attn.num_kv_heads // tp_size\n"
+          old="    attn.num_heads, attn.num_kv_heads = qkv.num_heads, qkv.num_kv_heads\n"
               "    attn.q_size, attn.kv_size = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim\n",
           new="",
           expect="attention 模块的"),
@@ -84,4 +85,58 @@ PLANTS = [
           old="    if world_size == 1:\n        return model\n    actual = tp_info()\n",
           new="    actual = tp_info()\n",
           expect="TP=1 时调用了 torch.distributed"),
+    Plant("kv_replica_wrong_head", "nKV < tp 时 rank r 去取第 r 个 KV head（应取第 r·nKV/tp 个，几个 rank 共用一个）",
+          old="        block = self.tp_rank if shard[0] == \"q\" else self.tp_rank // self.kv_replicas   # replicas share a KV head\n",
+          new="        block = self.tp_rank\n",
+          expect="nKV < tp 时复制 KV head"),
+    Plant("kv_not_replicated", "nKV < tp 时报“不能整除”而不是复制 KV head",
+          old="        if total_num_kv_heads >= tp_size:\n"
+              "            self.num_kv_heads = _divide(total_num_kv_heads, tp_size, \"num_key_value_heads\")\n"
+              "        elif tp_size % total_num_kv_heads:\n",
+          new="        if True:\n"
+              "            self.num_kv_heads = _divide(total_num_kv_heads, tp_size, \"num_key_value_heads\")\n"
+              "        elif tp_size % total_num_kv_heads:\n",
+          expect="nKV < tp 时应复制 KV head"),
+    Plant("gdn_qkv_one_tensor", "in_proj_qkv 当成一个张量切（应按 q、k、v 三段各自切）",
+          old="        if not shard:\n"
+              "            parts = loaded.split(self.output_sizes)\n"
+              "            return sum(self.weight_loader(param, part, (i,)) for i, part in enumerate(parts))\n",
+          new="        if not shard:\n"
+              "            rows = param.shape[0]\n"
+              "            param.data.copy_(loaded.narrow(0, self.tp_rank * rows, rows))\n"
+              "            return param.numel()\n",
+          expect="in_proj_qkv 当成一个张量切了"),
+    Plant("gdn_conv_one_tensor", "conv1d 的通道没有按 q、k、v 各自切",
+          old="        pieces = [part.chunk(self.tp_size)[self.tp_rank] for part in loaded.split(self.part_sizes)]\n"
+              "        param.data.copy_(torch.cat(pieces))\n",
+          new="        param.data.copy_(loaded.chunk(self.tp_size)[self.tp_rank])\n",
+          expect="conv1d 的通道没有按 q、k、v 各自切"),
+    Plant("gdn_gates_not_sliced", "A_log / dt_bias 没有按 value head 切",
+          old="    for name in (\"A_log\", \"dt_bias\"):                                 # [nv] -> [nv / tp]\n"
+              "        param = nn.Parameter(getattr(gdn, name).new_empty(num_v_heads))\n"
+              "        param.weight_loader = _value_head_rows\n"
+              "        setattr(gdn, name, param)\n",
+          new="",
+          expect="A_log / dt_bias 没有切"),
+    Plant("gdn_value_heads_round_robin", "value head 按 j % tp 轮流分给 rank（离开了它的 key head）",
+          old="    param.data.copy_(loaded.narrow(0, tp_info()[0] * rows, rows))\n",
+          new="    rank, tp_size = tp_info()\n"
+              "    param.data.copy_(loaded[rank::tp_size])\n",
+          expect="value head 分错了 rank"),
+    Plant("gdn_norm_sliced", "门控 RMSNorm 的 weight 也按 rank 切了（它被所有 head 共用）",
+          old="    _swap(gdn, \"out_proj\", RowParallelLinear(gdn.value_dim, hidden))\n",
+          new="    _swap(gdn, \"out_proj\", RowParallelLinear(gdn.value_dim, hidden))\n"
+              "    gdn.norm.weight = nn.Parameter(gdn.norm.weight.new_empty(gdn.head_v_dim // tp_size))\n"
+              "    gdn.norm.weight.weight_loader = _value_head_rows\n",
+          expect="门控 RMSNorm 的 weight 被切了"),
+    Plant("gdn_out_proj_not_row", "out_proj 没有换成 row parallel",
+          old="    _swap(gdn, \"out_proj\", RowParallelLinear(gdn.value_dim, hidden))\n",
+          new="",
+          expect="out_proj 不是 row parallel"),
+    Plant("gdn_heads_not_divided", "Gated DeltaNet 层的 head 数 / key_dim / value_dim / conv_dim 没有改成本 rank 的",
+          old="    gdn.num_k_heads, gdn.num_v_heads = num_k_heads, num_v_heads\n"
+              "    gdn.key_dim, gdn.value_dim = num_k_heads * gdn.head_k_dim, num_v_heads * gdn.head_v_dim\n"
+              "    gdn.conv_dim = 2 * gdn.key_dim + gdn.value_dim\n",
+          new="",
+          expect="Gated DeltaNet 层的 num_k_heads"),
 ]

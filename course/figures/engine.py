@@ -113,5 +113,41 @@ def batching_timeline() -> Svg:
     return s
 
 
-FIGURES = {"request-life": request_life, "paged-kv": paged_kv, "scheduler-states": scheduler_states,
+def tp_engine() -> Svg:
+    s = Svg(760, 390, "张量并行引擎：每个 rank 一个进程")
+    for x, title, fill in ((14, "rank 0：调用者的进程 · cuda:0", C["cpu"]), (446, "rank 1：worker 进程 · cuda:1", C["cpu"])):
+        s.rect(x, 30, 300, 262, fill=fill, dash=False)
+        s.text(x + 150, 50, title, size=13, weight="bold")
+    left = [("LLM.step：scheduler + block manager\n（只有 rank 0 调度）", C["kv"]),
+            ("Rank0Runner.run：encode_step\n→ 每个 worker 的管道", C["hot"]),
+            ("runner（分片 0）：前向\nKV cache、GDN 状态池、CUDA graphs", C["gpu"]),
+            ("LM head all-gather → 采样\n只有 rank 0 的 token 算数", C["free"])]
+    right = [("等下一步：管道 recv_bytes\n（EOF = rank 0 不在了）", C["free"]),
+             ("decode_step → ShadowSequence\n只带本步要算的 token", C["hot"]),
+             ("runner（分片 1）：同一步前向\n同样的代码、自己的 KV / 状态 / graphs", C["gpu"]),
+             ("LM head all-gather（集合通信）\n采样器是占位，不采样", C["free"])]
+    for i, ((a, fa), (b, fb)) in enumerate(zip(left, right)):
+        y = 64 + i * 56
+        s.box(28, y, 272, 44, a, fill=fa, size=11)
+        s.box(460, y, 272, 44, b, fill=fb, size=11)
+        if i:
+            s.arrow(164, y - 12, 164, y - 1)
+            s.arrow(596, y - 12, 596, y - 1)
+    s.arrow(300, 142, 458, 90)
+    s.text(372, 84, "每步一个 int64 数组", size=10.5, color="#a33")
+    s.text(372, 98, "（不 pickle）", size=10.5, color="#a33")
+    s.line([(300, 198), (458, 198)], arrow=True)
+    s.line([(458, 206), (300, 206)], arrow=True)
+    s.text(380, 190, "NCCL / gloo：每层 2 次", size=10.5, color="#a33")
+    s.text(380, 224, "all-reduce [N, H]", size=10.5, color="#a33")
+    s.line([(300, 254), (458, 254)], arrow=False, dash=True)
+    s.text(380, 248, "all-gather [N, V/tp]", size=10.5, color="#a33")
+    s.box(14, 306, 732, 70, "关闭：close() / with / 退出时 atexit → 每个 worker 收到 STOP；rank 0 被杀 → worker 的管道 EOF，"
+          "PR_SET_PDEATHSIG 兜底\nworker 抛异常 → 把 traceback 发回 rank 0 再退出；rank 0 的 watchdog 线程发现任何 worker 退出 →"
+          " 杀掉其余 worker，\n报出 “worker rank k died (exit code …)”；rank 0 卡在集合通信里超过 10 秒 → 打印后结束进程",
+          fill=C["io"], size=10.5)
+    return s
+
+
+FIGURES = {"tp-engine": tp_engine, "request-life": request_life, "paged-kv": paged_kv, "scheduler-states": scheduler_states,
            "batching-timeline": batching_timeline}
