@@ -37,7 +37,7 @@ from torch import nn
 from .e01_sampling import Sampler, SamplingParams, make_generator
 from .e02_block_manager import BlockManager, Sequence
 from .e03_scheduler import Scheduler, SchedulerConfig
-from .e04_model_runner import GDNStatePool, ModelRunner, PagedAttention, prepare_batch
+from .e04_model_runner import GDNStatePool, ModelRunner, prepare_batch
 from .e05_engine import LLM as CPULLM
 from .e05_engine import EngineConfig, _load
 from .k01_triton_basics import add_rms_norm
@@ -599,4 +599,4 @@ class LLM(CPULLM):
 
 
 __all__ = ["LLM", "GPUModelRunner", "PoolState", "KernelNorm", "KernelMoE", "KernelGDN", "use_kernels",
-           "build_on_device", "dummy_weights_", "batch_buckets", "PagedAttention"]
+           "build_on_device", "dummy_weights_", "batch_buckets", "DeviceSampler"]
