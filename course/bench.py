@@ -73,7 +73,7 @@ def run_engine(args, prompts, out_lens, tp: int = 1) -> dict:
     steps: list[tuple[float, int, bool]] = []       # (seconds, tokens sampled, decode step?)
     inner = llm.step
     own = getattr(llm.runner, "inner", llm.runner)      # under TP, rank 0's runner inside the step-sending wrapper
-    host = _time_calls({"schedule": (llm.scheduler, "schedule"), "postprocess": (llm.scheduler, "postprocess"),
+    host, restore_calls = _time_calls({"schedule": (llm.scheduler, "schedule"), "postprocess": (llm.scheduler, "postprocess"),
                         "run": (llm.runner, "run"), "decode inputs + replay launch": (own, "_run_decode"),
                         "prefill forward (launch)": (own, "_run_prefill")})
 
@@ -104,7 +104,7 @@ def run_engine(args, prompts, out_lens, tp: int = 1) -> dict:
                   kv_blocks=llm.runner.num_blocks, block_size=args.block_size,
                   cuda_graph_buckets=sorted(llm.runner.graphs), startup_s=startup)
     result["timeline"] = steps
-    _restore_calls(host)
+    restore_calls()
     result["host_ms_per_step"] = {k: 1e3 * v / max(len(steps), 1) for k, v in host.items()}
     print("RESULT", {k: v for k, v in result.items() if k != "timeline"}, flush=True)
     if llm.runner.graphs:
@@ -128,8 +128,9 @@ def run_engine(args, prompts, out_lens, tp: int = 1) -> dict:
     return result
 
 
-def _time_calls(targets: dict) -> dict:
-    """Wrap obj.name for each (obj, name) to sum its wall time (a diagnostic: where a step's host time goes)."""
+def _time_calls(targets: dict):
+    """Wrap obj.name for each (obj, name) to sum its wall time (a diagnostic: where a step's host time goes).
+    Returns (seconds per label, restore): restore() removes the wrappers again."""
     acc = {}
     for label, (obj, name) in targets.items():
         fn = getattr(obj, name)
@@ -142,13 +143,11 @@ def _time_calls(targets: dict) -> dict:
             finally:
                 acc[_label] += time.perf_counter() - t
         setattr(obj, name, timed)
-    acc["_targets"] = targets
-    return acc
 
-
-def _restore_calls(acc: dict) -> None:
-    for obj, name in acc.pop("_targets").values():
-        delattr(obj, name)                       # the instance attribute shadowed the class method
+    def restore():
+        for obj, name in targets.values():
+            delattr(obj, name)                   # the instance attribute shadowed the class method
+    return acc, restore
 
 
 def time_breakdown(result: dict) -> list[str]:
@@ -386,13 +385,19 @@ def _replay_ms(runner, batch: int, context: int, num_blocks: int) -> float:
         s["pos"][:bs] = context - 1
         s["slots"][:bs] = blocks[:, -1] * runner.block_size
         runner.graphs[bs].replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            runner.graphs[bs].replay()
-        end.record()
-        torch.cuda.synchronize()
-    return start.elapsed_time(end) / 20
+        return _event_ms(runner.graphs[bs].replay, 20)
+
+
+def _event_ms(fn, reps: int) -> float:
+    """Mean GPU milliseconds of fn() over `reps` back-to-back calls, timed with CUDA events."""
+    import torch
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
 
 
 def _allreduce_ms(runner, count: int, rows: int, hidden: int) -> float:
@@ -403,11 +408,8 @@ def _allreduce_ms(runner, count: int, rows: int, hidden: int) -> float:
     for _ in range(3):
         dist.all_reduce(x)
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
+
+    def one_step():
         for _ in range(count):
             dist.all_reduce(x)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 5
+    return _event_ms(one_step, 5)

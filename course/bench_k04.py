@@ -32,18 +32,24 @@ def _peers():
         return None, None
 
 
+def _prefill_inputs(B: int, T: int, H: int, D: int):
+    """q, k (L2-normalised), v, beta in bf16 and the fp32 log-decay g of one prefill shape (seeded: same every call)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = F.normalize(torch.randn(B, T, H, D, device="cuda", generator=gen), dim=-1).bfloat16()
+    k = F.normalize(torch.randn(B, T, H, D, device="cuda", generator=gen), dim=-1).bfloat16()
+    v = torch.randn(B, T, H, D, device="cuda", generator=gen).bfloat16()
+    g = F.logsigmoid(torch.randn(B, T, H, device="cuda", generator=gen) + 4.0)      # decays near 1, fp32
+    beta = torch.rand(B, T, H, device="cuda", generator=gen).bfloat16()
+    return q, k, v, g, beta
+
+
 def _prefill(mod, fla_chunk, fla_recurrent) -> list[str]:
     from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
     hf_chunk = getattr(hf.torch_chunk_gated_delta_rule, "__wrapped__", hf.torch_chunk_gated_delta_rule)
     rows = ["| 形状 [B, T, H, D] | 本练习 ms | FLA chunk ms | FLA fused_recurrent ms | HF torch ms | 对 FLA chunk 的倍数 | 与 FLA 的最大误差 |",
             "|---|---|---|---|---|---|---|"]
     for B, T, H, D in PREFILL_SHAPES:
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        q = F.normalize(torch.randn(B, T, H, D, device="cuda", generator=gen), dim=-1).bfloat16()
-        k = F.normalize(torch.randn(B, T, H, D, device="cuda", generator=gen), dim=-1).bfloat16()
-        v = torch.randn(B, T, H, D, device="cuda", generator=gen).bfloat16()
-        g = F.logsigmoid(torch.randn(B, T, H, device="cuda", generator=gen) + 4.0)      # decays near 1, fp32
-        beta = torch.rand(B, T, H, device="cuda", generator=gen).bfloat16()
+        q, k, v, g, beta = _prefill_inputs(B, T, H, D)
         scale = D ** -0.5
         q_scaled = (q.float() * scale).bfloat16()
         ours = lambda: mod.chunk_gated_delta_rule(q_scaled, k, v, g, beta)              # noqa: E731
@@ -72,12 +78,7 @@ def _fla_recurrent_rows(fla_recurrent) -> list[str]:
     matters is printed before this runs."""
     rows = ["| 形状 [B, T, H, D] | FLA fused_recurrent ms |", "|---|---|"]
     for B, T, H, D in PREFILL_SHAPES:
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        q = F.normalize(torch.randn(B, T, H, D, device="cuda", generator=gen), dim=-1).bfloat16()
-        k = F.normalize(torch.randn(B, T, H, D, device="cuda", generator=gen), dim=-1).bfloat16()
-        v = torch.randn(B, T, H, D, device="cuda", generator=gen).bfloat16()
-        g = F.logsigmoid(torch.randn(B, T, H, device="cuda", generator=gen) + 4.0)
-        beta = torch.rand(B, T, H, device="cuda", generator=gen).bfloat16()
+        q, k, v, g, beta = _prefill_inputs(B, T, H, D)
         t = _ms(lambda: fla_recurrent(q, k, v, g, beta, scale=D ** -0.5, output_final_state=True))
         rows.append(f"| [{B}, {T}, {H}, {D}] | {t:.3f} |")
         print(rows[-1], flush=True)
