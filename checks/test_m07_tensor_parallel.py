@@ -70,9 +70,11 @@ MODEL_FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5_moe_text", "qwen3_5_text", "qwe
 
 
 def _linear(r: Rand) -> dict:
-    """Gated DeltaNet sizes that split over 2 ranks: nk in {2, 4}, nv = nk or 2 nk, dk != dv on most runs."""
+    """Gated DeltaNet sizes that split over 2 ranks: nk in {2, 4}, nv = nk or 2 nk but at least 4, dk != dv on most
+    runs. nv >= 4 gives every rank >= 2 value heads: with one each, a round-robin split equals the contiguous one."""
     nk = r.choice([2, 4])
-    return dict(linear_num_key_heads=nk, linear_num_value_heads=nk * r.choice([1, 2]), linear_key_head_dim=r.choice([8, 16]),
+    nv = 4 if nk == 2 else nk * r.choice([1, 2])
+    return dict(linear_num_key_heads=nk, linear_num_value_heads=nv, linear_key_head_dim=r.choice([8, 16]),
                 linear_value_head_dim=r.choice([8, 16]), linear_conv_kernel_dim=r.choice([2, 3, 4]))
 
 
