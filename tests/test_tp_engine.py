@@ -168,7 +168,7 @@ def _group_left(proc) -> list[str]:
 
 
 def _wait_group_gone(proc) -> list[str]:
-    for _ in range(50):
+    for _ in range(150):                   # up to 15 s: a loaded 2-core CI machine can be slow to reap
         left = _group_left(proc)
         if not left:
             return []
