@@ -251,22 +251,7 @@ def dummy_weights_(model: CausalLM, seed: int = 0, std: float = 0.02) -> None:
 @triton.jit
 def _sample_kernel(logits_ptr, stride, temp_ptr, out_ptr, seed, vocab, BLOCK: tl.constexpr):
     """One row per program, one pass over the vocabulary: argmax of x / T + Gumbel noise (argmax of x for T = 0)."""
-    row = tl.program_id(0)
-    t = tl.load(temp_ptr + row)
-    best_val = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_idx = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, vocab, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        x = tl.load(logits_ptr + row * stride + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
-        if t > 0:
-            u = tl.rand(seed, row * vocab + offs)                     # U[0, 1), a counter-based stream
-            x = x / t - tl.log(-tl.log(u))                           # + Gumbel(0, 1)
-        take = x > best_val                                          # strict: the first max wins, like argmax
-        best_val = tl.where(take, x, best_val)
-        best_idx = tl.where(take, offs, best_idx)
-    top = tl.max(best_val, axis=0)
-    first = tl.min(tl.where(best_val == top, best_idx, vocab), axis=0)
-    tl.store(out_ptr + row, first.to(tl.int64))
+    raise NotImplementedError("g01: 请实现 _sample_kernel（见 lessons/g01_gpu_engine.md）")
 
 
 class DeviceSampler(Sampler):
@@ -282,14 +267,10 @@ class DeviceSampler(Sampler):
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> torch.Tensor:
-        if any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params) or any(g is not None for g in generators):
-            return super().__call__(logits, params, generators)
-        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32).to(logits.device, non_blocking=True)
-        seed = int(torch.randint(0, 2**31 - 1, (1,)))                 # host RNG draw: no device sync
-        out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-        _sample_kernel[(logits.shape[0],)](logits, logits.stride(0), temps, out, seed, logits.shape[-1],
-                                           BLOCK=2048, num_warps=8)
-        return out
+        """logits [B, V] on the device -> token ids [B] (int64, on the device). A row with top-k / top-p /
+        min-p or its own generator sends the whole batch to e01's path; otherwise one _sample_kernel launch
+        (temperatures as a [B] fp32 tensor, the seed drawn on the host from torch's global RNG, BLOCK=2048)."""
+        raise NotImplementedError("g01: 请实现 DeviceSampler.__call__（见 lessons/g01_gpu_engine.md）")
 
 
 # ----------------------------------------------------------------------------- the runner

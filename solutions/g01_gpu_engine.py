@@ -297,6 +297,9 @@ class DeviceSampler(Sampler):
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> torch.Tensor:
+        """logits [B, V] on the device -> token ids [B] (int64, on the device). A row with top-k / top-p /
+        min-p or its own generator sends the whole batch to e01's path; otherwise one _sample_kernel launch
+        (temperatures as a [B] fp32 tensor, the seed drawn on the host from torch's global RNG, BLOCK=2048)."""
         if any(p.top_k or p.top_p < 1 or p.min_p > 0 for p in params) or any(g is not None for g in generators):
             return super().__call__(logits, params, generators)
         temps = torch.tensor([p.temperature for p in params], dtype=torch.float32).to(logits.device, non_blocking=True)
