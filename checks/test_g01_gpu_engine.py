@@ -383,7 +383,12 @@ def test_tp2_killed_worker_ends_the_engine():
                             start_new_session=True, env=os.environ.copy())
     try:
         line = proc.stdout.readline()
-        assert line.startswith("WORKER"), f"TP=2 引擎没有启动：{proc.communicate(timeout=60)[1][-3000:]}"
+        if not line.startswith("WORKER"):
+            err = proc.communicate(timeout=60)[1]
+            todo = [t for t in err.splitlines() if t.startswith("NotImplementedError")]
+            if todo:                                   # the engine needs the tasks of this exercise first
+                raise NotImplementedError(todo[-1].split(":", 1)[-1].strip())
+            raise AssertionError(f"TP=2 引擎没有启动：{err[-3000:]}")
         assert proc.stdout.readline().startswith("ROUND")
         os.kill(int(line.split()[1]), signal.SIGKILL)
         start = time.monotonic()
