@@ -74,13 +74,13 @@ def _prefill(mod, fla_chunk, fla_recurrent) -> list[str]:
 
 def _fla_recurrent_rows(fla_recurrent) -> list[str]:
     """FLA's fused_recurrent on the same shapes, measured last and on its own: on the H200 (fla-core 0.6.0) its
-    first call once ended in an illegal memory access (beta was passed by position, see below), which poisons
+    first call once ended in an illegal memory access (most likely beta passed by position, see below), which poisons
     the CUDA context - every number that matters is printed before this runs."""
     rows = ["| 形状 [B, T, H, D] | FLA fused_recurrent ms |", "|---|---|"]
     for B, T, H, D in PREFILL_SHAPES:
         q, k, v, g, beta = _prefill_inputs(B, T, H, D)
         # by keyword: fla (0.5.2, for one) puts gk, gv between g and beta, and a positional beta lands in gk ([B, T, H, K]
-        # expected), which reads far past the [B, T, H] tensor - the illegal memory access seen on the H200
+        # expected), which reads far past the [B, T, H] tensor - most likely the illegal memory access seen on the H200
         t = _ms(lambda: fla_recurrent(q, k, v, g=g, beta=beta, scale=D ** -0.5, output_final_state=True))
         rows.append(f"| [{B}, {T}, {H}, {D}] | {t:.3f} |")
         print(rows[-1], flush=True)
