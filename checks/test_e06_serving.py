@@ -255,10 +255,11 @@ def test_text_stream_stops():
     long_stop = text[p:p + r.int(4, 7)] + "#"                  # its head appears at p, the whole never does
     q = next(j for j in range(p + 8, len(text) - 2) if "\ufffd" not in text[j:j + 2])
     short = text[q:q + 2]
-    q = text.find(short)
-    late = text[q + 3:q + 5] if q + 5 <= len(text) else "\x00"
-    cases = [[short, long_stop], [long_stop, short], [late, long_stop, short], [long_stop]]
-    for stops in cases:
+    o = r.int(3, 12)                                          # Ω and the 3 characters ending in it complete together
+    both = text[:o] + "Ω" + text[o + 1:]
+    cases = [(text, [short, long_stop]), (text, [long_stop, short]), (text, [long_stop]),
+             (both, ["Ω", both[o - 2:o + 1], long_stop])]
+    for text, stops in cases:
         ids = tok.encode(text)
         stream = m.TextStream(tok, stops)
         got = []
@@ -273,12 +274,226 @@ def test_text_stream_stops():
         joined = "".join(got)
         if "\ufffd" in joined:
             hint = "逐个 token 单独解码再拼接"
+        elif got == _card_deltas(tok, ids, stops, 0)[0]:
+            hint = "流式输出先漏出了 stop 字符串的前半截（没有留出 len(stop) - 1 个字符的缓冲）"
         elif got == _card_deltas(tok, ids, stops, min(len(s) for s in stops) - 1)[0]:
             hint = "按最短的 stop 算了 hold：更长的 stop 还可能正在形成，要扣住 max(len(s)) − 1 个字符"
         elif got == _card_deltas(tok, ids, stops, len(max(stops, key=len)) - 1, first_listed=True)[0]:
             hint = "截在列表里第一个命中的 stop 处，而不是文本里最早出现的那个"
         raise AssertionError(f"TextStream(stop={stops!r}) 逐 token 的增量：\n  得到 {got}\n  期望 {want}"
                              f"（stopped={stopped}）" + (f"\n  看起来像易错点：{hint}" if hint else "") + f"\n  {r}")
+
+
+BOOL = "bool 被当成了数字（isinstance(True, int) 为真）"
+NUMBERS = "数值只查了下限，没有按引擎放得下的范围校验（seed < 2**64、top_k < 2**63 由 SamplingParams 挡住）"
+EMPTY_STOP = "空的 stop 字符串被收下了（\"\" 在任何文本的开头都命中，输出永远是空的）"
+SURROGATE = "JSON 里的孤立代理字符（\"\\ud800\"）没有在 tokenizer 之前挡住，变成了 500"
+DEEP = "json.loads 的 RecursionError 没有捕获（它不是 JSONDecodeError），变成了 500"
+BAD = [  # (what, endpoint, body, the field the error must name, the classic mistake {status or "code": ...}, code)
+    ("非法 JSON", "completions", b'{"model": "tiny", "prompt": ', None, None, "invalid_json"),
+    ("嵌套 100000 层的 JSON", "completions", b"[" * 100000 + b"]" * 100000, None, {500: DEEP}, "invalid_json"),
+    ("body 不是对象", "completions", [1, 2], None, None, None),
+    ("缺 model", "completions", {"model": None, "prompt": "hi"}, "model", None, None),
+    ("空 prompt", "completions", {"prompt": ""}, "prompt", None, None),
+    ("缺 prompt", "completions", {}, "prompt", None, None),
+    ("超长 prompt", "completions", {"prompt": "a" * MAX_MODEL_LEN}, "prompt", None, "context_length_exceeded"),
+    ("孤立代理字符的 prompt", "completions", b'{"model": "tiny", "prompt": "a\\ud800b"}', "prompt", {500: SURROGATE}, None),
+    ("孤立代理字符的 message", "chat/completions",
+     b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}', "messages[0]", {500: SURROGATE}, None),
+    ("孤立代理字符的 stop", "completions", b'{"model": "tiny", "prompt": "hi", "stop": ["\\ud800"]}', "stop",
+     {500: SURROGATE}, None),
+    ("未知字段", "completions", {"prompt": "hi", "temprature": 0.5}, "temprature", "未知字段被悄悄忽略",
+     "unknown_parameter"),
+    ("temperature < 0", "completions", {"prompt": "hi", "temperature": -1}, "temperature", None, None),
+    ("top_p = 0", "completions", {"prompt": "hi", "top_p": 0}, "top_p", None, None),
+    ("min_p > 1", "completions", {"prompt": "hi", "min_p": 1.5}, "min_p", None, None),
+    ("top_k 是字符串", "completions", {"prompt": "hi", "top_k": "5"}, "top_k", None, "invalid_type"),
+    ("top_k = 2**63", "completions", {"prompt": "hi", "top_k": 2**63}, "top_k", {200: NUMBERS, 500: NUMBERS}, None),
+    ("max_tokens 是 true", "completions", {"prompt": "hi", "max_tokens": True}, "max_tokens", {"code": BOOL},
+     "invalid_type"),
+    ("n 是 true", "completions", {"prompt": "hi", "n": True}, "n", {200: BOOL, "code": BOOL}, "invalid_type"),
+    ("max_tokens = 0", "completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens", None, None),
+    ("prompt + max_tokens 超过上下文", "completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens", None,
+     "context_length_exceeded"),
+    ("seed < 0", "completions", {"prompt": "hi", "seed": -3}, "seed", None, None),
+    ("seed = 2**64", "completions", {"prompt": "hi", "seed": 2**64}, "seed", {200: NUMBERS, 500: NUMBERS}, None),
+    ("n = 2", "completions", {"prompt": "hi", "n": 2}, "n", None, None),
+    ("stop 是数字", "completions", {"prompt": "hi", "stop": 5}, "stop", None, "invalid_type"),
+    ("stop 是空字符串", "completions", {"prompt": "hi", "stop": ""}, "stop", EMPTY_STOP, None),
+    ("stop 里有空字符串", "completions", {"prompt": "hi", "stop": ["x", ""]}, "stop", EMPTY_STOP, None),
+    ("越界的 token id", "completions", {"prompt": [1, 99999]}, "prompt", None, None),
+    ("stream 是字符串", "completions", {"prompt": "hi", "stream": "yes"}, "stream", None, "invalid_type"),
+    ("stream_options 没有 stream", "completions", {"prompt": "hi", "stream_options": {"include_usage": True}},
+     "stream_options", None, None),
+    ("空 messages", "chat/completions", {"messages": []}, "messages", None, None),
+    ("未知的 role", "chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0]", None, None),
+]
+
+
+def _openai_error(a, what: str, status: int, mistake: str | None = None) -> dict:
+    """The error object of response `a`, which must have `status` and OpenAI's shape with a non-empty code."""
+    hint = f"\n  看起来像易错点：{mistake}" if mistake else ""
+    assert a.status_code == status, f"{what} 应得到 {status}，得到 {a.status_code}: {a.text[:300]}{hint}"
+    try:
+        error = a.json().get("error")
+    except (ValueError, AttributeError):
+        error = None
+    assert isinstance(error, dict) and error.get("message") and error.get("type"), \
+        (f"{what} 的错误应是 OpenAI 格式 {{'error': {{'message', 'type', 'param', 'code'}}}}，得到 {a.text[:300]}"
+         + ("\n  看起来像易错点：FastAPI 默认的 {'detail': ...} 没有换成 OpenAI 的错误格式" if '"detail"' in a.text else ""))
+    assert isinstance(error.get("code"), str) and error["code"], \
+        f"{what} 的错误应带机器可读的 code（OpenAI 的 model_not_found、invalid_type ……），得到 {error.get('code')!r}"
+    return error
+
+
+def _background_stream(url: str, max_tokens: int) -> tuple[threading.Thread, dict]:
+    """A streaming request read on a thread; the dict gets 'frames' (or 'error') when it ends."""
+    import httpx
+    out: dict = {}
+
+    def read():
+        body = {"model": MODEL, "prompt": "ok", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as resp:
+                out["frames"] = [f for f in resp.read().decode().split("\n\n") if f]
+        except Exception as exc:   # noqa: BLE001  a cut stream is what the check reports
+            out["error"] = repr(exc)
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def _assert_stream_completed(out: dict, max_tokens: int, what: str) -> None:
+    frames = out.get("frames")
+    assert frames is not None, f"{what}：同时在跑的正常流被打断了（{out.get('error')}）：一个坏请求不能连累别人"
+    assert frames[-1] == "data: [DONE]", f"{what}：同时在跑的正常流没有以 [DONE] 结束：{frames[-2:]}"
+    usage = json.loads(frames[-2][6:]).get("usage") or {}
+    assert usage.get("completion_tokens") == max_tokens, f"{what}：同时在跑的正常流应生成 {max_tokens} 个 token：{usage}"
+
+
+@point("坏请求（类型、范围、超大数字、空 stop、孤立代理字符、过深 JSON、非 JSON、未知路径）各得到 OpenAI 格式的 4xx、点名字段、带 code，同时在跑的流不受影响")
+def test_bad_requests_get_400():
+    import httpx
+    url, r = _live(), Rand()
+    cases = r.py.sample(BAD, len(BAD))
+    stream, out = _background_stream(url, 64)
+    with httpx.Client(base_url=url, timeout=30) as client:
+        for what, endpoint, body, field, mistake, code in cases:
+            if isinstance(body, dict):
+                body = json.dumps({"model": MODEL, **body}).encode()
+            elif not isinstance(body, bytes):
+                body = json.dumps(body).encode()
+            a = client.post(f"/v1/{endpoint}", content=body, headers={"Content-Type": "application/json"})
+            mistake = mistake if isinstance(mistake, dict) else {200: mistake}
+            error = _openai_error(a, f"坏请求「{what}」", 400, mistake.get(a.status_code))
+            assert error.get("type") == "invalid_request_error", f"「{what}」的 type 应为 invalid_request_error：{a.text}"
+            assert error.get("param") == field, f"「{what}」的错误应点名字段 {field!r}，param 是 {error.get('param')!r}"
+            assert code is None or error["code"] == code, (f"「{what}」的 code 应为 {code!r}，得到 {error['code']!r}"
+                                                           + (f"\n  看起来像易错点：{mistake['code']}"
+                                                              if mistake.get("code") else ""))
+        wrong = client.post("/v1/completions", json={"model": "gpt-4", "prompt": "hi"})
+        error = _openai_error(wrong, "未知模型", 404)
+        assert error["param"] == "model" and error["code"] == "model_not_found", f"未知模型：{wrong.text}"
+        for media in ("text/plain", None):      # a text/plain POST needs no CORS preflight: any web page could send it
+            headers = {"Content-Type": media} if media else {}
+            a = client.post("/v1/completions", content=json.dumps({"model": MODEL, "prompt": "hi"}), headers=headers)
+            _openai_error(a, f"Content-Type {media or '缺失'} 的请求", 415,
+                          "只收 application/json：text/plain 的 POST 不需要 CORS 预检，任何网页都能让浏览器替它发请求")
+        _openai_error(client.post("/v1/nothing", json={}), "未知路径 POST /v1/nothing", 404)
+        _openai_error(client.get("/v1/completions"), "GET /v1/completions（方法不对）", 405)
+        tokens = []
+        for t in (0, 1e-40):                    # 1e-40 is 0 in fp32: logits / T = inf, NaN probabilities
+            a = client.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 6,
+                                                     "temperature": t, "ignore_eos": True, "return_token_ids": True})
+            assert a.status_code == 200, f"temperature={t}：{a.text[:300]}"
+            tokens.append(a.json()["choices"][0]["token_ids"])
+        assert tokens[0] == tokens[1], (f"temperature=1e-40 应与 greedy（0）相同，得到 {tokens[1]}，greedy {tokens[0]}"
+                                        "\n  看起来像易错点：极小的正 temperature 没有当成 greedy（e01 的 SamplingParams）")
+        stream.join(30)
+        _assert_stream_completed(out, 64, "坏请求期间")
+        assert client.get("/health").json()["status"] == "ok", "坏请求之后服务应仍然健康"
+        ok = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3,
+                                                  "ignore_eos": True})     # random weights may sample eos first
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3, f"坏请求之后的正常请求：{ok.text}"
+
+
+class _WatchedTokenizer:
+    """The byte tokenizer, recording the longest text it was asked to encode; a text with SLOW takes `slow` s."""
+
+    def __init__(self, tok):
+        self._tok, self.longest, self.slow = tok, 0, 0.0
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def _seen(self, text):
+        self.longest = max(self.longest, len(text) if isinstance(text, str) else sum(len(m["content"]) for m in text))
+        if "SLOW" in str(text):
+            time.sleep(self.slow)
+
+    def encode(self, text, *args, **kwargs):
+        self._seen(text)
+        return self._tok.encode(text, *args, **kwargs)
+
+    def apply_chat_template(self, messages, *args, **kwargs):
+        self._seen(messages)
+        return self._tok.apply_chat_template(messages, *args, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _watched_server():
+    from course.serve import BackgroundServer
+    m = impl(MODULE)
+    llm = _e05_llm(max_num_seqs=4, num_kvcache_blocks=64)
+    llm.tokenizer = watched = _WatchedTokenizer(llm.tokenizer)
+    engine = m.AsyncEngine(llm)
+    return BackgroundServer(m.build_app(engine.start(), MODEL)).url, watched
+
+
+@point("大请求不卡住服务：超限的 body 得 413，超长的 prompt 不经 tokenizer 就得 400，tokenize 不在事件循环上")
+def test_large_requests():
+    import httpx
+    m = impl(MODULE)
+    _probe()
+    url, watched = _watched_server()
+    limit = m.MAX_BODY_BYTES
+    bound = MAX_MODEL_LEN * max(map(len, watched.get_vocab()))         # characters no prompt that fits can pass
+    with httpx.Client(base_url=url, timeout=30) as client:
+        a = client.post("/v1/completions", json={"model": MODEL, "prompt": "a" * (limit + 1000)})
+        _openai_error(a, f"{limit + 1000} 字节的 body（上限 MAX_BODY_BYTES = {limit}）", 413,
+                      "没有限制 body 的大小：整个 body 读进内存、json.loads、再交给 tokenizer")
+        n = bound + 1000
+        for endpoint, body, field in (("completions", {"prompt": "a" * n}, "prompt"),
+                                      ("chat/completions", {"messages": [{"role": "user", "content": "a" * n}]},
+                                       "messages")):
+            watched.longest = 0
+            a = client.post(f"/v1/{endpoint}", json={"model": MODEL, **body})
+            error = _openai_error(a, f"{n} 个字符的 {field}", 400)
+            assert error.get("param") == field and error["code"] == "context_length_exceeded", a.text[:300]
+            assert watched.longest < n, (f"{n} 个字符的 {field} 被交给了 tokenizer（一个 token 最多 "
+                                         f"{bound // MAX_MODEL_LEN} 个字符，它不可能放进 {MAX_MODEL_LEN} 个 token）"
+                                         "\n  看起来像易错点：tokenize 之前没有按字符数挡住超长的 prompt")
+        fits = "<|im_start|>" * 90              # 1080 characters, 90 tokens: characters are not tokens
+        a = client.post("/v1/completions", json={"model": MODEL, "prompt": fits, "max_tokens": 2})
+        assert a.status_code == 200, (f"1080 个字符、90 个 token 的 prompt 放得进 {MAX_MODEL_LEN} 的上下文，"
+                                      f"却被拒绝：{a.text[:300]}\n  看起来像易错点：把字符数当成了 token 数")
+
+    watched.slow = 2.0
+    slow = threading.Thread(target=lambda: httpx.post(url + "/v1/completions", timeout=30,
+                                                      json={"model": MODEL, "prompt": "SLOW", "max_tokens": 2}))
+    slow.start()
+    time.sleep(0.3)
+    waits = []
+    for _ in range(3):
+        t = time.monotonic()
+        httpx.get(url + "/health", timeout=30)
+        waits.append(time.monotonic() - t)
+    slow.join(30)
+    watched.slow = 0.0
+    assert max(waits) < 1.0, (f"tokenizer 花 2 s 编码一个 prompt 时，/health 等了 {max(waits):.2f} s：整个服务停住了"
+                              "\n  看起来像易错点：在事件循环上 tokenize（json.loads、parse_request 要放到工作线程里）")
 
 
 @point("openai 客户端：completion 与 chat、流式与非流式，token 与同一 seed 的 LLM.generate 逐个相同，usage 正确")
@@ -440,137 +655,6 @@ def test_burst_gets_503():
     later = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=30)
     assert later.status_code == 200, f"突发过后服务应恢复正常，得到 {later.status_code}: {later.text}"
     assert h["free_blocks"] == h["total_blocks"], f"突发过后 block 没有全部归还：{h}"
-
-
-NUMBERS = "数值只查了下限，没有按引擎放得下的范围校验（seed < 2**64、top_k < 2**63 由 SamplingParams 挡住）"
-EMPTY_STOP = "空的 stop 字符串被收下了（\"\" 在任何文本的开头都命中，输出永远是空的）"
-SURROGATE = "JSON 里的孤立代理字符（\"\\ud800\"）没有在 tokenizer 之前挡住，变成了 500"
-DEEP = "json.loads 的 RecursionError 没有捕获（它不是 JSONDecodeError），变成了 500"
-BAD = [  # (what, endpoint, body, the field the error must name, the classic mistake when it is not a 400, code)
-    ("非法 JSON", "completions", b'{"model": "tiny", "prompt": ', None, None, "invalid_json"),
-    ("嵌套 100000 层的 JSON", "completions", b"[" * 100000 + b"]" * 100000, None, DEEP, "invalid_json"),
-    ("body 不是对象", "completions", [1, 2], None, None, None),
-    ("缺 model", "completions", {"model": None, "prompt": "hi"}, "model", None, None),
-    ("空 prompt", "completions", {"prompt": ""}, "prompt", None, None),
-    ("缺 prompt", "completions", {}, "prompt", None, None),
-    ("超长 prompt", "completions", {"prompt": "a" * MAX_MODEL_LEN}, "prompt", None, "context_length_exceeded"),
-    ("孤立代理字符的 prompt", "completions", b'{"model": "tiny", "prompt": "a\\ud800b"}', "prompt", SURROGATE, None),
-    ("孤立代理字符的 message", "chat/completions",
-     b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}', "messages[0]", SURROGATE, None),
-    ("孤立代理字符的 stop", "completions", b'{"model": "tiny", "prompt": "hi", "stop": ["\\ud800"]}', "stop",
-     SURROGATE, None),
-    ("未知字段", "completions", {"prompt": "hi", "temprature": 0.5}, "temprature", "未知字段被悄悄忽略",
-     "unknown_parameter"),
-    ("temperature < 0", "completions", {"prompt": "hi", "temperature": -1}, "temperature", None, None),
-    ("top_p = 0", "completions", {"prompt": "hi", "top_p": 0}, "top_p", None, None),
-    ("min_p > 1", "completions", {"prompt": "hi", "min_p": 1.5}, "min_p", None, None),
-    ("top_k 是字符串", "completions", {"prompt": "hi", "top_k": "5"}, "top_k", None, "invalid_type"),
-    ("top_k = 2**63", "completions", {"prompt": "hi", "top_k": 2**63}, "top_k", NUMBERS, None),
-    ("max_tokens 是 true", "completions", {"prompt": "hi", "max_tokens": True}, "max_tokens", None, "invalid_type"),
-    ("n 是 true", "completions", {"prompt": "hi", "n": True}, "n", "bool 被当成了数字（isinstance(True, int) 为真）",
-     "invalid_type"),
-    ("max_tokens = 0", "completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens", None, None),
-    ("prompt + max_tokens 超过上下文", "completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens", None,
-     "context_length_exceeded"),
-    ("seed < 0", "completions", {"prompt": "hi", "seed": -3}, "seed", None, None),
-    ("seed = 2**64", "completions", {"prompt": "hi", "seed": 2**64}, "seed", NUMBERS, None),
-    ("n = 2", "completions", {"prompt": "hi", "n": 2}, "n", None, None),
-    ("stop 是数字", "completions", {"prompt": "hi", "stop": 5}, "stop", None, "invalid_type"),
-    ("stop 是空字符串", "completions", {"prompt": "hi", "stop": ""}, "stop", EMPTY_STOP, None),
-    ("stop 里有空字符串", "completions", {"prompt": "hi", "stop": ["x", ""]}, "stop", EMPTY_STOP, None),
-    ("越界的 token id", "completions", {"prompt": [1, 99999]}, "prompt", None, None),
-    ("stream 是字符串", "completions", {"prompt": "hi", "stream": "yes"}, "stream", None, "invalid_type"),
-    ("stream_options 没有 stream", "completions", {"prompt": "hi", "stream_options": {"include_usage": True}},
-     "stream_options", None, None),
-    ("空 messages", "chat/completions", {"messages": []}, "messages", None, None),
-    ("未知的 role", "chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0]", None, None),
-]
-
-
-def _openai_error(a, what: str, status: int, mistake: str | None = None) -> dict:
-    """The error object of response `a`, which must have `status` and OpenAI's shape with a non-empty code."""
-    hint = f"\n  看起来像易错点：{mistake}" if mistake else ""
-    assert a.status_code == status, f"{what} 应得到 {status}，得到 {a.status_code}: {a.text[:300]}{hint}"
-    try:
-        error = a.json().get("error")
-    except (ValueError, AttributeError):
-        error = None
-    assert isinstance(error, dict) and error.get("message") and error.get("type"), \
-        (f"{what} 的错误应是 OpenAI 格式 {{'error': {{'message', 'type', 'param', 'code'}}}}，得到 {a.text[:300]}"
-         + ("\n  看起来像易错点：FastAPI 默认的 {'detail': ...} 没有换成 OpenAI 的错误格式" if '"detail"' in a.text else ""))
-    assert isinstance(error.get("code"), str) and error["code"], \
-        f"{what} 的错误应带机器可读的 code（OpenAI 的 model_not_found、invalid_type ……），得到 {error.get('code')!r}"
-    return error
-
-
-def _background_stream(url: str, max_tokens: int) -> tuple[threading.Thread, dict]:
-    """A streaming request read on a thread; the dict gets 'frames' (or 'error') when it ends."""
-    import httpx
-    out: dict = {}
-
-    def read():
-        body = {"model": MODEL, "prompt": "ok", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}
-        try:
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as resp:
-                out["frames"] = [f for f in resp.read().decode().split("\n\n") if f]
-        except Exception as exc:   # noqa: BLE001  a cut stream is what the check reports
-            out["error"] = repr(exc)
-
-    thread = threading.Thread(target=read, daemon=True)
-    thread.start()
-    return thread, out
-
-
-def _assert_stream_completed(out: dict, max_tokens: int, what: str) -> None:
-    frames = out.get("frames")
-    assert frames is not None, f"{what}：同时在跑的正常流被打断了（{out.get('error')}）：一个坏请求不能连累别人"
-    assert frames[-1] == "data: [DONE]", f"{what}：同时在跑的正常流没有以 [DONE] 结束：{frames[-2:]}"
-    usage = json.loads(frames[-2][6:]).get("usage") or {}
-    assert usage.get("completion_tokens") == max_tokens, f"{what}：同时在跑的正常流应生成 {max_tokens} 个 token：{usage}"
-
-
-@point("坏请求（类型、范围、超大数字、空 stop、孤立代理字符、过深 JSON、非 JSON、未知路径）各得到 OpenAI 格式的 4xx、点名字段、带 code，同时在跑的流不受影响")
-def test_bad_requests_get_400():
-    import httpx
-    url, r = _live(), Rand()
-    cases = r.py.sample(BAD, len(BAD))
-    stream, out = _background_stream(url, 64)
-    with httpx.Client(base_url=url, timeout=30) as client:
-        for what, endpoint, body, field, mistake, code in cases:
-            if isinstance(body, dict):
-                body = json.dumps({"model": MODEL, **body}).encode()
-            elif not isinstance(body, bytes):
-                body = json.dumps(body).encode()
-            a = client.post(f"/v1/{endpoint}", content=body, headers={"Content-Type": "application/json"})
-            error = _openai_error(a, f"坏请求「{what}」", 400, mistake)
-            assert error.get("type") == "invalid_request_error", f"「{what}」的 type 应为 invalid_request_error：{a.text}"
-            assert error.get("param") == field, f"「{what}」的错误应点名字段 {field!r}，param 是 {error.get('param')!r}"
-            assert code is None or error["code"] == code, f"「{what}」的 code 应为 {code!r}，得到 {error['code']!r}"
-        wrong = client.post("/v1/completions", json={"model": "gpt-4", "prompt": "hi"})
-        error = _openai_error(wrong, "未知模型", 404)
-        assert error["param"] == "model" and error["code"] == "model_not_found", f"未知模型：{wrong.text}"
-        for media in ("text/plain", None):      # a text/plain POST needs no CORS preflight: any web page could send it
-            headers = {"Content-Type": media} if media else {}
-            a = client.post("/v1/completions", content=json.dumps({"model": MODEL, "prompt": "hi"}), headers=headers)
-            _openai_error(a, f"Content-Type {media or '缺失'} 的请求", 415,
-                          "只收 application/json：text/plain 的 POST 不需要 CORS 预检，任何网页都能让浏览器替它发请求")
-        _openai_error(client.post("/v1/nothing", json={}), "未知路径 POST /v1/nothing", 404)
-        _openai_error(client.get("/v1/completions"), "GET /v1/completions（方法不对）", 405)
-        tokens = []
-        for t in (0, 1e-40):                    # 1e-40 is 0 in fp32: logits / T = inf, NaN probabilities
-            a = client.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 6,
-                                                     "temperature": t, "ignore_eos": True, "return_token_ids": True})
-            assert a.status_code == 200, f"temperature={t}：{a.text[:300]}"
-            tokens.append(a.json()["choices"][0]["token_ids"])
-        assert tokens[0] == tokens[1], (f"temperature=1e-40 应与 greedy（0）相同，得到 {tokens[1]}，greedy {tokens[0]}"
-                                        "\n  看起来像易错点：极小的正 temperature 没有当成 greedy（e01 的 SamplingParams）")
-        stream.join(30)
-        _assert_stream_completed(out, 64, "坏请求期间")
-        assert client.get("/health").json()["status"] == "ok", "坏请求之后服务应仍然健康"
-        ok = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3,
-                                                  "ignore_eos": True})     # random weights may sample eos first
-        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3, f"坏请求之后的正常请求：{ok.text}"
 
 
 @point("stop 字符串与 stop token id：在 stop 处截断（流式也不漏出前半截），finish_reason 为 stop")
@@ -793,80 +877,3 @@ def test_commands_batched_per_step():
     assert len(set(added[1:])) == 1, (f"{k} 个请求在同一步期间到达，应在下一步之前全部 add_request（同一个步数），"
                                       f"实际 add_request 时的步数 {added[1:]}\n  看起来像易错点：_apply_commands 每次只取"
                                       "一个命令（要一直取到队列为空），请求一步一个地进入引擎")
-
-
-class _WatchedTokenizer:
-    """The byte tokenizer, recording the longest text it was asked to encode; a text with SLOW takes `slow` s."""
-
-    def __init__(self, tok):
-        self._tok, self.longest, self.slow = tok, 0, 0.0
-
-    def __getattr__(self, name):
-        return getattr(self._tok, name)
-
-    def _seen(self, text):
-        self.longest = max(self.longest, len(text) if isinstance(text, str) else sum(len(m["content"]) for m in text))
-        if "SLOW" in str(text):
-            time.sleep(self.slow)
-
-    def encode(self, text, *args, **kwargs):
-        self._seen(text)
-        return self._tok.encode(text, *args, **kwargs)
-
-    def apply_chat_template(self, messages, *args, **kwargs):
-        self._seen(messages)
-        return self._tok.apply_chat_template(messages, *args, **kwargs)
-
-
-@functools.lru_cache(maxsize=None)
-def _watched_server():
-    from course.serve import BackgroundServer
-    m = impl(MODULE)
-    llm = _e05_llm(max_num_seqs=4, num_kvcache_blocks=64)
-    llm.tokenizer = watched = _WatchedTokenizer(llm.tokenizer)
-    engine = m.AsyncEngine(llm)
-    return BackgroundServer(m.build_app(engine.start(), MODEL)).url, watched
-
-
-@point("大请求不卡住服务：超限的 body 得 413，超长的 prompt 不经 tokenizer 就得 400，tokenize 不在事件循环上")
-def test_large_requests():
-    import httpx
-    m = impl(MODULE)
-    _probe()
-    url, watched = _watched_server()
-    limit = m.MAX_BODY_BYTES
-    bound = MAX_MODEL_LEN * max(map(len, watched.get_vocab()))         # characters no prompt that fits can pass
-    with httpx.Client(base_url=url, timeout=30) as client:
-        a = client.post("/v1/completions", json={"model": MODEL, "prompt": "a" * (limit + 1000)})
-        _openai_error(a, f"{limit + 1000} 字节的 body（上限 MAX_BODY_BYTES = {limit}）", 413,
-                      "没有限制 body 的大小：整个 body 读进内存、json.loads、再交给 tokenizer")
-        n = bound + 1000
-        for endpoint, body, field in (("completions", {"prompt": "a" * n}, "prompt"),
-                                      ("chat/completions", {"messages": [{"role": "user", "content": "a" * n}]},
-                                       "messages")):
-            watched.longest = 0
-            a = client.post(f"/v1/{endpoint}", json={"model": MODEL, **body})
-            error = _openai_error(a, f"{n} 个字符的 {field}", 400)
-            assert error.get("param") == field and error["code"] == "context_length_exceeded", a.text[:300]
-            assert watched.longest < n, (f"{n} 个字符的 {field} 被交给了 tokenizer（一个 token 最多 "
-                                         f"{bound // MAX_MODEL_LEN} 个字符，它不可能放进 {MAX_MODEL_LEN} 个 token）"
-                                         "\n  看起来像易错点：tokenize 之前没有按字符数挡住超长的 prompt")
-        fits = "<|im_start|>" * 90              # 1080 characters, 90 tokens: characters are not tokens
-        a = client.post("/v1/completions", json={"model": MODEL, "prompt": fits, "max_tokens": 2})
-        assert a.status_code == 200, (f"1080 个字符、90 个 token 的 prompt 放得进 {MAX_MODEL_LEN} 的上下文，"
-                                      f"却被拒绝：{a.text[:300]}\n  看起来像易错点：把字符数当成了 token 数")
-
-    watched.slow = 2.0
-    slow = threading.Thread(target=lambda: httpx.post(url + "/v1/completions", timeout=30,
-                                                      json={"model": MODEL, "prompt": "SLOW", "max_tokens": 2}))
-    slow.start()
-    time.sleep(0.3)
-    waits = []
-    for _ in range(3):
-        t = time.monotonic()
-        httpx.get(url + "/health", timeout=30)
-        waits.append(time.monotonic() - t)
-    slow.join(30)
-    watched.slow = 0.0
-    assert max(waits) < 1.0, (f"tokenizer 花 2 s 编码一个 prompt 时，/health 等了 {max(waits):.2f} s：整个服务停住了"
-                              "\n  看起来像易错点：在事件循环上 tokenize（json.loads、parse_request 要放到工作线程里）")
