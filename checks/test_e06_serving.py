@@ -112,7 +112,7 @@ def _health(url: str) -> dict:
     return httpx.get(url + "/health", timeout=10).json()
 
 
-def _wait_idle(url: str, seconds: float = 20, until_engine_idle: bool = False) -> dict:
+def _wait_idle(url: str, seconds: float = 20, until_engine_idle: bool = True) -> dict:
     """/health once nothing is in flight; with until_engine_idle, once the engine has no unfinished request and
     the in-flight count has had 2 s to settle (a count that never comes back must fail fast, not time out)."""
     deadline = time.monotonic() + seconds
@@ -762,19 +762,20 @@ SECRET = "secret-internal-detail-7f3a"
 def test_engine_step_failure():
     import httpx
     url = _live()
-    llm, armed = _server()[1].llm, threading.Event()
+    llm, armed, fired = _server()[1].llm, threading.Event(), threading.Event()
     real_step = llm.step
 
     def step():
         if armed.is_set():
             armed.clear()
+            fired.set()
             raise RuntimeError(SECRET)
         return real_step()
 
     body = {"model": MODEL, "prompt": "ok", "max_tokens": 600, "ignore_eos": True}
 
     async def both():
-        async with httpx.AsyncClient(timeout=20) as client:
+        async with httpx.AsyncClient(timeout=12) as client:
             async def streamed():
                 frames = []
                 try:
@@ -790,14 +791,19 @@ def test_engine_step_failure():
                     frames.append(f"<连接被断开：{exc!r}>")
                 return frames
 
-            return await asyncio.gather(streamed(), client.post(url + "/v1/completions", json=body))
+            both = asyncio.gather(streamed(), client.post(url + "/v1/completions", json=body))
+            while not both.done():                      # a dead engine thread would leave both waiting forever
+                await asyncio.wait({both}, timeout=0.2)
+                if fired.is_set() and (await client.get(url + "/health")).json()["status"] != "ok":
+                    both.cancel()
+                    raise AssertionError("step() 抛异常之后引擎线程退出了，在途和之后的请求都不会再有回应"
+                                         "\n  看起来像易错点：_loop 没有捕获 step() 的异常")
+            return both.result()
 
-    _wait_idle(url)
+    _wait_idle(url, 5)
     with _Patched(llm, step=step):
-        frames, unary = asyncio.run(asyncio.wait_for(both(), 25))
+        frames, unary = asyncio.run(asyncio.wait_for(both(), 15))
     h = _wait_idle(url, 5, until_engine_idle=True)
-    assert h["status"] == "ok", ("step() 抛异常之后引擎线程退出了，之后的请求不会再有回应："
-                                 f"{h}\n  看起来像易错点：_loop 没有捕获 step() 的异常")
     assert SECRET not in unary.text and not any(SECRET in f for f in frames), \
         f"引擎的异常文本被发给了客户端：{unary.text[:200]} / {frames[-2:]}\n  看起来像易错点：500 的 message 用了 str(exc)"
     _openai_error(unary, "step() 失败时在途的非流式请求", 500)
@@ -806,8 +812,9 @@ def test_engine_step_failure():
     assert tail[-1:] == ["data: [DONE]"] and isinstance(error, dict) and error.get("message"), (
         f"200 之后出的错要写进流里：一帧 data: {{\"error\": {{...}}}}，再 data: [DONE]；得到最后两帧 {tail}"
         "\n  看起来像易错点：sse_frames 没有把 run_request 的异常变成 SSE 错误事件（流被直接截断）")
-    assert h["unfinished"] == 0 and h["pending"] == 0 and h["free_blocks"] == h["total_blocks"], \
-        f"step() 失败后在途的请求应被 abort、名额归还：{h}\n  看起来像易错点：出错的请求没有 llm.abort，block 没有归还"
+    assert h["unfinished"] == 0 and h["free_blocks"] == h["total_blocks"], \
+        f"step() 失败后在途的请求应被 abort：{h}\n  看起来像易错点：出错的请求没有 llm.abort，block 没有归还"
+    assert h["pending"] == 0, f"step() 失败、引擎空闲之后在途计数应归零：{h}"
     ok = httpx.post(url + "/v1/completions", json={**body, "max_tokens": 3}, timeout=30)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3, f"出错之后的正常请求：{ok.text}"
 
@@ -867,10 +874,10 @@ def test_commands_batched_per_step():
             gate.set()
             return await asyncio.gather(first, *rest)
 
-    _wait_idle(url, until_engine_idle=True)
+    assert _wait_idle(url, 10, until_engine_idle=True)["status"] == "ok", "引擎线程已经退出"
     try:
         with _Patched(llm, step=step, add_request=add_request):
-            answers = asyncio.run(asyncio.wait_for(run(), 25))
+            answers = asyncio.run(asyncio.wait_for(run(), 15))
     finally:
         gate.set()
     assert [a.status_code for a in answers] == [200] * (k + 1), [a.text[:100] for a in answers]
