@@ -192,7 +192,7 @@ def _fields(got, want: dict, body: dict, hints: dict) -> None:
 @point("parse_request：合法请求的每个字段都按卡片落到 ParsedRequest（缺省值、null、top_k=-1、stop、chat 模板、max_completion_tokens）")
 def test_parse_request_fields():
     m, r = impl(MODULE), Rand()
-    from course.tiny_tokenizer import byte_tokenizer
+    from course.runtime.tiny_tokenizer import byte_tokenizer
     tok, max_model_len = byte_tokenizer(), r.int(64, 200)
     text = _text(r, r.int(3, 12))
     ids = tok.encode(text)
@@ -248,7 +248,7 @@ def _card_deltas(tok, ids: list[int], stops: list[str], hold: int, first_listed:
 @point("TextStream：随机文本与不同长度的 stop 字符串，每一步的增量都按卡片（扣住最长的 stop − 1 个字符，在最早出现的 stop 处截断）")
 def test_text_stream_stops():
     m, r = impl(MODULE), Rand()
-    from course.tiny_tokenizer import byte_tokenizer
+    from course.runtime.tiny_tokenizer import byte_tokenizer
     tok = byte_tokenizer()
     text = _text(r, r.int(40, 60))
     p = r.int(5, 15)
@@ -444,7 +444,7 @@ class _WatchedTokenizer:
 
 @functools.lru_cache(maxsize=None)
 def _watched_server():
-    from course.serve import BackgroundServer
+    from course.runtime.serve import BackgroundServer
     m = impl(MODULE)
     llm = _e05_llm(max_num_seqs=4, num_kvcache_blocks=64)
     llm.tokenizer = watched = _WatchedTokenizer(llm.tokenizer)
