@@ -475,10 +475,11 @@ def test_large_requests():
             assert watched.longest < n, (f"{n} 个字符的 {field} 被交给了 tokenizer（一个 token 最多 "
                                          f"{bound // MAX_MODEL_LEN} 个字符，它不可能放进 {MAX_MODEL_LEN} 个 token）"
                                          "\n  看起来像易错点：tokenize 之前没有按字符数挡住超长的 prompt")
-        fits = "<|im_start|>" * 90              # 1080 characters, 90 tokens: characters are not tokens
+        fits = "<|im_start|>" * 1000            # 12000 characters but 1000 tokens: characters are not tokens
         a = client.post("/v1/completions", json={"model": MODEL, "prompt": fits, "max_tokens": 2})
-        assert a.status_code == 200, (f"1080 个字符、90 个 token 的 prompt 放得进 {MAX_MODEL_LEN} 的上下文，"
-                                      f"却被拒绝：{a.text[:300]}\n  看起来像易错点：把字符数当成了 token 数")
+        assert a.status_code == 200, (f"12000 个字符、1000 个 token 的 prompt 放得进 {MAX_MODEL_LEN} 的上下文，"
+                                      f"却被拒绝：{a.text[:300]}\n  看起来像易错点：把字符数当成了 token 数"
+                                      "（字符上限要用 longest_token(tokenizer)，一个特殊 token 就有十几个字符）")
 
     watched.slow = 2.0
     slow = threading.Thread(target=lambda: httpx.post(url + "/v1/completions", timeout=30,
