@@ -813,8 +813,9 @@ def test_engine_step_failure():
     assert tail[-1:] == ["data: [DONE]"] and isinstance(error, dict) and error.get("message"), (
         f"200 之后出的错要写进流里：一帧 data: {{\"error\": {{...}}}}，再 data: [DONE]；得到最后两帧 {tail}"
         "\n  看起来像易错点：sse_frames 没有把 run_request 的异常变成 SSE 错误事件（流被直接截断）")
-    assert h["unfinished"] == 0 and h["free_blocks"] == h["total_blocks"], \
-        f"step() 失败后在途的请求应被 abort：{h}\n  看起来像易错点：出错的请求没有 llm.abort，block 没有归还"
+    leaked = h["free_blocks"] < h["total_blocks"]
+    assert h["unfinished"] == 0 and not leaked, (f"step() 失败后在途的请求应被 abort：{h}" + (
+        "\n  看起来像易错点：出错的请求没有 llm.abort，block 没有归还" if leaked else ""))
     assert h["pending"] == 0, f"step() 失败、引擎空闲之后在途计数应归零：{h}"
     ok = httpx.post(url + "/v1/completions", json={**body, "max_tokens": 3}, timeout=30)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3, f"出错之后的正常请求：{ok.text}"
@@ -855,7 +856,7 @@ def test_commands_batched_per_step():
     def step():
         if not inside.is_set():                 # the first step waits until the others are queued
             inside.set()
-            gate.wait(10)
+            gate.wait(14)
         return real_step()
 
     def add_request(*args, **kwargs):
@@ -871,17 +872,17 @@ def test_commands_batched_per_step():
             first = asyncio.ensure_future(send(0))
             await _until(inside.is_set)
             rest = [asyncio.ensure_future(send(i)) for i in range(1, k + 1)]
-            await _until(lambda: engine.commands.qsize() >= k, 5)
+            await _until(lambda: engine.commands.qsize() >= k, 10)
             gate.set()
             return await asyncio.gather(first, *rest)
 
     assert _wait_idle(url, 10, until_engine_idle=True)["status"] == "ok", "引擎线程已经退出"
     try:
         with _Patched(llm, step=step, add_request=add_request):
-            answers = asyncio.run(asyncio.wait_for(run(), 15))
+            answers = asyncio.run(asyncio.wait_for(run(), 17))
     finally:
         gate.set()
     assert [a.status_code for a in answers] == [200] * (k + 1), [a.text[:100] for a in answers]
     assert len(set(added[1:])) == 1, (f"{k} 个请求在同一步期间到达，应在下一步之前全部 add_request（同一个步数），"
-                                      f"实际 add_request 时的步数 {added[1:]}\n  看起来像易错点：_apply_commands 每次只取"
-                                      "一个命令（要一直取到队列为空），请求一步一个地进入引擎")
+                                      f"实际 add_request 时的步数 {added[1:]}\n  看起来像易错点：_apply_commands 没有一次"
+                                      "取完队列里的命令（每次只取一个：要一直取到 queue.Empty），请求一步一个地进入引擎")

@@ -76,7 +76,7 @@ PLANTS = [
     Plant("one_command_per_step", "_apply_commands 每次只取一个命令",
           old="        while True:\n            try:\n                kind, handle = self.commands.get_nowait()",
           new="        for _ in range(1):\n            try:\n                kind, handle = self.commands.get_nowait()",
-          expect="每次只取"),
+          expect="没有一次取完"),
     Plant("tokenize_on_event_loop", "在事件循环上 tokenize",
           old="            req = await asyncio.get_running_loop().run_in_executor(parser, parse, raw, chat)\n",
           new="            req = parse(raw, chat)\n",
