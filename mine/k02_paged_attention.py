@@ -56,7 +56,7 @@ def _attend_tile(q, acc, m_i, l_i, k_ptr, v_ptr, bt_ptr, n0, Lk, diag, offs_m, o
     raise NotImplementedError("k02: 请实现 _attend_tile（见 lessons/k02_paged_attention.md）")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])   # the batch's widest block table: no recompile per width
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, bt_ptr,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                     stride_bt, qk_scale, D, GROUP: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
