@@ -380,8 +380,15 @@ class GPUModelRunner(ModelRunner):
         per_block = sum(2 * self.block_size * a.num_kv_heads * a.head_dim for a in attn_layers) * self.dtype.itemsize
         blocks = int((total * utilization - used - reserve) // max(per_block, 1))
         if blocks < self.max_blocks_per_seq:
-            raise RuntimeError(f"only {blocks} KV blocks fit in gpu_memory_utilization={utilization}: "
-                               f"not even one sequence of max_model_len")
+            gib = 2 ** 30
+            mine = torch.cuda.memory_reserved(self.device)
+            raise RuntimeError(
+                f"KV cache 放不下：GPU 共 {total / gib:.1f} GiB，gpu_memory_utilization={utilization} 允许用 "
+                f"{total * utilization / gib:.1f} GiB，但已经占用 {used / gib:.1f} GiB（本进程的 torch 分配器持有 "
+                f"{mine / gib:.1f} GiB，含权重；其余 {max(used - mine, 0) / gib:.1f} GiB 属于别的进程或驱动），"
+                f"再留 {reserve / gib:.1f} GiB 给激活，KV cache 只剩 {max(blocks, 0)} 块 × {per_block / 2**20:.2f} MiB，"
+                f"不够一条 max_model_len 的序列（{self.max_blocks_per_seq} 块）。先释放别处的显存（同一进程里的上一个"
+                f"引擎、别的进程），或调小 max_model_len / max_num_batched_tokens，或调大 gpu_memory_utilization。")
         return blocks
 
     # ------------------------------------------------------------------ staging: one H2D copy per step
