@@ -1,8 +1,8 @@
 """`./check.sh bench --profile`: where one prefill step and one decode step spend their time (torch.profiler).
 
 On the bench workload (same prompts, same engine, warmed up as `./check.sh bench` does):
-  prefill   steps 1-3 of the workload (16k prompt tokens each): steps 1 and 3 timed plainly, step 2 under the
-            profiler, split into GPU kernel time by kernel class, GPU busy time (the union of kernel intervals)
+  prefill   the workload's prefill steps (16k prompt tokens each, the last ones mixed with decodes): step 2 under
+            the profiler, every other one timed plainly; split into GPU kernel time by kernel class, GPU busy time (the union of kernel intervals)
             and the step's wall time; the rest of the wall time is the host (Python, launches, waiting)
   decode    the first decode step with the batch full, likewise (the steps before it unprofiled), then one
             CUDA-graph replay at batch 1 under the profiler: the GPU floor of a small-batch step
@@ -110,7 +110,7 @@ def _say_split(title: str, split: dict, plain_ms: list[float], say) -> None:
 
 def profile_steps(args, prompts, out_lens, say) -> int:
     import torch
-    from .bench import _replay_ms, build_engine, watch_compiles   # noqa: F401 (_replay_ms: same staging)
+    from .bench import _replay_ms, _time_calls, build_engine, watch_compiles
     llm, SamplingParams, _ = build_engine(args, prompts)
     for p, n in zip(prompts, out_lens):
         llm.add_request(p, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n))
@@ -121,13 +121,26 @@ def profile_steps(args, prompts, out_lens, say) -> int:
         if llm.runner.last_was_decode:
             say("[yellow]the second step was already a decode step: the workload has under two prefill steps[/]")
         report["prefill"] = _split(prof, wall)
-        plain.append(_timed_step(llm)[0])
+        decode_plain = []
+        runner = getattr(llm.runner, "inner", llm.runner)
+        host, restore = _time_calls({"schedule": (llm.scheduler, "schedule"), "run": (llm.runner, "run"),
+                                     "prefill forward launch": (runner, "_run_prefill"),
+                                     "postprocess": (llm.scheduler, "postprocess")})
+        while llm.has_unfinished():                 # the remaining prefill / mixed steps, plainly timed
+            ms, was_decode = _timed_step(llm)
+            (decode_plain if was_decode else plain).append(ms)
+            if was_decode:
+                break
+        restore()
+        report["prefill"]["plain_step_ms"] = plain
+        report["prefill"]["host_ms_per_step"] = {k: v * 1e3 / max(len(plain) - 1, 1) for k, v in host.items()}
         _say_split(f"prefill step ({args.model}, {sum(map(len, prompts))} prompt tokens in all, "
                    f"max_num_batched_tokens 16384)", report["prefill"], plain, say)
+        say("host ms per plain prefill step after the profiled one ('run' includes waiting for the GPU): "
+            + ", ".join(f"{k} {v:.1f}" for k, v in report["prefill"]["host_ms_per_step"].items()))
         say("CPU operators by self time (profiled prefill step): "
             + "; ".join(f"{k} ×{n} {ms:.1f} ms" for k, n, ms in report["prefill"]["top_cpu_ops"][:8]))
-        decode_plain = []
-        while llm.has_unfinished():
+        while llm.has_unfinished() and len(decode_plain) < 3:
             ms, was_decode = _timed_step(llm)
             if was_decode:
                 decode_plain.append(ms)
@@ -138,7 +151,6 @@ def profile_steps(args, prompts, out_lens, say) -> int:
         report["decode"] = _split(prof, wall)
         report["decode"]["batch"] = batch
         _say_split(f"decode step, batch {batch} (CUDA graph)", report["decode"], decode_plain, say)
-        runner = getattr(llm.runner, "inner", llm.runner)
         if runner.graphs:
             one = min(runner.graphs)
             context = sum(map(len, prompts)) // len(prompts)
