@@ -126,8 +126,11 @@ def run_engine(args, prompts, out_lens, tp: int = 1) -> dict:
     if llm.runner.graphs:
         try:
             with torch.inference_mode():
-                result["gpu_decode_step_ms"] = graph_step_ms(llm, len(prompts),
-                                                             (sum(map(len, prompts)) + tokens) // len(prompts))
+                # the full-batch decode steps run right after the prefills: context ~ prompt + a few tokens
+                full = min(len(prompts), args.max_num_seqs)
+                result["gpu_decode_step_ms"] = graph_step_ms(llm, full, sum(map(len, prompts)) // len(prompts) + 32)
+                walls = [s[0] for s in steps if s[2] and s[1] == full]
+                result["full_batch_decode_step_ms"] = 1e3 * sum(walls) / max(len(walls), 1)
         except Exception as exc:          # a diagnostic only: never lose the measured throughput over it
             print(f"graph_step_ms failed: {exc!r}")
     if tp > 1:                            # what one decode step communicates, timed on its own
@@ -352,9 +355,10 @@ def main(argv: list[str], say) -> int:
     say(f"Triton compiles during the timed run: {len(compiled)}"
         + (f" ({', '.join(sorted(set(compiled)))}: their compile time is in the wall time above)" if compiled else ""))
     if "gpu_decode_step_ms" in eng:
-        say(f"decode step: {eng['mean_decode_step_ms']:.2f} ms wall vs {eng['gpu_decode_step_ms']:.2f} ms GPU (graph replay "
-            f"at batch {min(args.num_seqs, args.max_num_seqs)}, mean context) -> CPU/launch share "
-            f"{max(0.0, 1 - eng['gpu_decode_step_ms'] / max(eng['mean_decode_step_ms'], 1e-9)):.0%}")
+        wall = eng.get("full_batch_decode_step_ms", eng["mean_decode_step_ms"])
+        say(f"decode step at the full batch {min(eng['num_seqs'], args.max_num_seqs)}: {wall:.2f} ms wall (mean of those "
+            f"steps) vs {eng['gpu_decode_step_ms']:.2f} ms GPU (one graph replay, every sequence at the mean prompt length "
+            f"+ 32) -> host share {max(0.0, 1 - eng['gpu_decode_step_ms'] / max(wall, 1e-9)):.0%}")
     for line in time_breakdown(eng):
         say(line)
     if args.peer == "hf":
