@@ -93,12 +93,37 @@ def on_page_content(content: str, **kwargs) -> str:
 
 _SECTION = re.compile(r'<section class="print-page" id="([^"]+)"')
 
+# The search worker of mkdocs-material (pinned in pyproject.toml) turns every query word into a prefix query,
+# `paged*`, and Lunr runs no stemmer on a prefix query: with the index stemmed ("paged" -> "page"), `paged*` found
+# almost nothing. Each English word also goes in as itself, which the stemmer then reduces like the index. A run
+# of Chinese is cut into the index's words (Material's segmenter) and every word is required, not any one.
+_QUERY_WILDCARD = re.compile(r"\.map\((\w)=>/\(\^\[\+-\]\|\[~\^\]\\d\+\$\)/\.test\(\1\)\?\1:`\$\{\1\}\*`\)")
+_HAN_SEGMENTS = 'this.index.invertedIndex)].join("* ")'
+
+
+def _patch_search_worker(site_dir) -> None:
+    from pathlib import Path
+    workers = list((Path(site_dir) / "assets" / "javascripts" / "workers").glob("search.*.min.js"))
+    if len(workers) != 1:
+        raise RuntimeError(f"search worker not found or not unique: {workers}")
+    js = workers[0].read_text(encoding="utf-8")
+    if not _QUERY_WILDCARD.search(js) or js.count(_HAN_SEGMENTS) != 1:
+        raise RuntimeError(f"{workers[0].name}: the query code of mkdocs-material changed; update "
+                           "course/book/hooks.py (_patch_search_worker)")
+    js = _QUERY_WILDCARD.sub(lambda m: ".flatMap({0}=>/(^[+-]|[~^]\\d+$)/.test({0})?[{0}]:"
+                                       "/^[A-Za-z]{{3,}}$/.test({0})?[`${{{0}}}*`,{0}]:[`${{{0}}}*`])".format(m.group(1)),
+                             js, count=1)
+    js = js.replace(_HAN_SEGMENTS, 'this.index.invertedIndex)].map(w=>"+"+w+"*").join(" ")')
+    workers[0].write_text(js, encoding="utf-8")
+
 
 @event_priority(-200)     # after the print-site plugin has written the print page
 def on_post_build(config, **kwargs) -> None:
-    """In the print page, prefix the hint anchors with their page's key, as print-site does for headings
-    (it rewrites the links to `#<page>-hint-l1` but only the ids of h1-h6, sup and li that start a tag match)."""
+    """Patch the search worker's query (above). In the print page, prefix the hint anchors with their page's key,
+    as print-site does for headings (it rewrites the links to `#<page>-hint-l1` but only the ids of h1-h6, sup and
+    li that start a tag match)."""
     from pathlib import Path
+    _patch_search_worker(config["site_dir"])
     path = Path(config["site_dir"]) / "print_page.html"
     if not path.exists():
         return
