@@ -28,14 +28,53 @@ def _details(m: re.Match) -> str:
     return f'{anchor}<details markdown="1">{m.group(1)}'
 
 
-_APPENDIX_H = re.compile(r"(`[^`\n]*`)|(?<!\[)附录 H-(\d+)")
+# A cross-reference in running text: `附录 A-3` / `附录 C-3` / `附录 H-2`, or a chapter `§M.3` (with the card header's
+# ` · p.27` when it follows). Inline code and existing links are matched first and left as they are.
+_REF = re.compile(r"(`[^`\n]*`|!?\[[^\]\n]*\]\([^)\n]*\))|附录 ([ACH])-(\d+)|(§([A-Z])\.(\d+)(?: · p\.\d+)?)")
+_FENCE = re.compile(r"^\s*(```|~~~)")
 
 
-def _link_appendix_h(markdown: str, src: str) -> str:
-    """Every plain `附录 H-n` (outside inline code) links to that entry of appendix H."""
+def chapter_paths(nav) -> dict[str, str]:
+    """"§M.3" -> the page of the chapter whose nav title starts with it (from the MkDocs nav)."""
+    out: dict[str, str] = {}
+    for item in nav or []:
+        for title, value in (item.items() if isinstance(item, dict) else []):
+            if isinstance(value, list):
+                out.update(chapter_paths(value))
+            elif m := re.match(r"(§[A-Z]\.\d+)\s", str(title)):
+                out[m.group(1)] = value
+    return out
+
+
+def _link_refs(markdown: str, src: str, chapters: dict[str, str], exists) -> str:
+    """Every plain cross-reference (outside code and links) becomes a link to its page; none to the page itself."""
     import posixpath
-    target = posixpath.relpath("appendix-h/index.md", posixpath.dirname(src) or ".")
-    return _APPENDIX_H.sub(lambda m: m.group(1) or f"[附录 H-{m.group(2)}]({target}#h-{m.group(2)})", markdown)
+    base = posixpath.dirname(src) or "."
+
+    def link(text: str, path: str, anchor: str = "") -> str:
+        if path == src or not exists(path):
+            return text
+        return f"[{text}]({posixpath.relpath(path, base)}{anchor})"
+
+    def fix(m: re.Match) -> str:
+        if m.group(1):
+            return m.group(1)
+        if m.group(2):
+            kind, n = m.group(2), m.group(3)
+            if kind == "H":
+                return link(f"附录 H-{n}", "appendix-h/index.md", f"#h-{n}")
+            return link(f"附录 {kind}-{n}", f"appendix-{kind.lower()}/{kind.lower()}-{n}.md")
+        path = chapters.get(f"§{m.group(5)}.{m.group(6)}")
+        return link(m.group(4), path) if path else m.group(4)
+
+    out, fenced = [], None
+    for line in markdown.split("\n"):
+        if f := _FENCE.match(line):
+            fenced = None if fenced == f.group(1) else (fenced or f.group(1))
+            out.append(line)
+        else:
+            out.append(line if fenced else _REF.sub(fix, line))
+    return "\n".join(out)
 
 
 _CARD_MENTION = re.compile(r"(?<!\[)`lessons/([a-z0-9_]+\.md)`")
@@ -50,12 +89,13 @@ def _link_cards(markdown: str, src: str) -> str:
 
 
 @event_priority(100)      # before the print-site plugin copies the page
-def on_page_markdown(markdown: str, page=None, **kwargs) -> str:
+def on_page_markdown(markdown: str, page=None, config=None, files=None, **kwargs) -> str:
     markdown = _DETAILS_OPEN.sub(_details, markdown)
     if page is not None and not page.file.src_uri.startswith("lessons/"):
         markdown = _link_cards(markdown, page.file.src_uri)
-    if page is not None and not page.file.src_uri.startswith("appendix-h/"):
-        markdown = _link_appendix_h(markdown, page.file.src_uri)
+    if page is not None and config is not None and files is not None:
+        markdown = _link_refs(markdown, page.file.src_uri, chapter_paths(config["nav"]),
+                              lambda path: files.get_file_from_path(path) is not None)
     return markdown
 
 
