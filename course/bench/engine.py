@@ -57,7 +57,8 @@ def build_engine(args, prompts, tp: int = 1):
     """The engine (the learner's files where they pass, else the references) on the bench model, warmed up.
     Returns (llm, SamplingParams, start-up seconds); records the free GPU memory before it in args._free_at_start."""
     import torch
-    from course import run, select
+    from course.grader import select
+    from course.runtime import run
     selection, report = run.auto_selection(gpu=True)
     select.use(selection)
     if not getattr(args, "_reported", False):
@@ -280,13 +281,13 @@ def run_hf_peer(args, prompts, out_lens) -> dict:
 
 def main(argv: list[str], say) -> int:
     if argv and argv[0] in ("k01", "k02"):
-        from .bench_kernels import bench_kernel
+        from .kernels import bench_kernel
         return bench_kernel(argv[0], argv[1:])
     if argv and argv[0] == "k03":
-        from .bench_k03 import bench_k03
+        from .k03 import bench_k03
         return bench_k03(argv[1:], say)
     if argv and argv[0] == "k04":
-        from .bench_k04 import bench_k04
+        from .k04 import bench_k04
         return bench_k04(argparse.Namespace(solutions="--solutions" in argv[1:]))
     p = argparse.ArgumentParser(prog="./check.sh bench")
     p.add_argument("--model", choices=sorted(MODELS), default="qwen3-0.6b")
