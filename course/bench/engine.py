@@ -323,7 +323,7 @@ def main(argv: list[str], say) -> int:
         print("ENGINE_JSON " + json.dumps(result), flush=True)
         return 0
     if args.profile:
-        from .bench_profile import profile_steps
+        from .profile import profile_steps
         return profile_steps(args, prompts, out_lens, say)
     from rich.table import Table
     if args.peer == "hf":                       # every engine in its own process: the whole GPU each

@@ -110,7 +110,7 @@ def _say_split(title: str, split: dict, plain_ms: list[float], say) -> None:
 
 def profile_steps(args, prompts, out_lens, say) -> int:
     import torch
-    from .bench import _replay_ms, _time_calls, build_engine, watch_compiles
+    from .engine import _replay_ms, _time_calls, build_engine, watch_compiles
     llm, SamplingParams, _ = build_engine(args, prompts)
     for p, n in zip(prompts, out_lens):
         llm.add_request(p, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n))
