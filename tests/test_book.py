@@ -219,15 +219,26 @@ def test_every_page_renders_offline_in_chromium(built):
 
 
 def _search(page, base: str, query: str) -> tuple[int, list[str]]:
-    """Type `query` into the site's search box: (number of pages found, titles of the first results)."""
+    """Enter `query` into the site's search box: (number of pages found, titles of the first results), read once
+    the results stop changing."""
     page.goto(f"{base}index.html", wait_until="load")
+    meta_js = "document.querySelector('.md-search-result__meta')?.innerText || ''"
+    page.wait_for_function(f"() => ({meta_js}).includes('键入以开始搜索')", timeout=60_000)   # the index is ready
+    page.click("input.md-search__input")
     page.fill("input.md-search__input", query)
-    page.wait_for_function("() => /\\d+ 个符合条件的结果|没有找到/.test("
-                           "document.querySelector('.md-search-result__meta')?.innerText || '')", timeout=30_000)
-    meta = page.locator(".md-search-result__meta").inner_text()
-    titles = [t.replace("\u200b", "") for t in page.locator(".md-search-result__item > a h1").all_inner_texts()]
+    page.keyboard.press("End")                  # the search box reacts to keys, not to a pasted value alone
+    page.wait_for_function(f"() => /\\d+ 个符合条件的结果|没有找到/.test({meta_js})", timeout=30_000)
+    seen, same = None, 0
+    for _ in range(100):
+        page.wait_for_timeout(300)
+        now = (page.evaluate(meta_js), page.locator(".md-search-result__item > a h1").all_inner_texts())
+        same = same + 1 if now == seen else 0
+        seen = now
+        if same == 3:
+            break
+    meta, titles = seen
     found = re.search(r"(\d+) 个符合条件的结果", meta)
-    return (int(found.group(1)) if found else 0), titles
+    return (int(found.group(1)) if found else 0), [t.replace("\u200b", "") for t in titles]
 
 
 def test_search_finds_inflected_english_and_chinese(built):
