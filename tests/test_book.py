@@ -76,6 +76,22 @@ def test_links_into_the_staged_layout():
         "[卡片](../lessons/m03_sparse_moe.md#hint-l2) [C-3](../appendix-c/c-3.md)"
 
 
+def test_build_without_the_cjk_font_stops_before_touching_the_repo(monkeypatch, capsys):
+    """No fonts-noto-cjk: every Chinese character would print as a box and every page cite would be wrong. The
+    build stops first, changes no file, and names the Debian packages (not .venv, which is fine)."""
+    import importlib.util
+    monkeypatch.setattr(bookbuild, "_font", lambda lang: lang != "zh")
+    monkeypatch.setattr(bookbuild, "chromium", lambda: "/usr/bin/chromium")
+    monkeypatch.setattr(bookbuild.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    before = {p: p.read_bytes() for p in [*(ROOT / "lessons").glob("*.md"), *(ROOT / "book").rglob("*.md")]}
+    assert bookbuild.build(write=True) == 2
+    assert all(p.read_bytes() == text for p, text in before.items())
+    hint = capsys.readouterr().err
+    assert "apt: fonts-noto-cjk" in hint and "apt-get update" in hint, hint
+    assert all(pkg in hint for pkg in bookbuild.APT_PACKAGES) and ".venv" not in hint, hint
+
+
 # ---------------------------------------------------------------- the built book in a real browser
 
 def _tools_or_skip() -> None:
