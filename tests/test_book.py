@@ -76,6 +76,22 @@ def test_links_into_the_staged_layout():
         "[卡片](../lessons/m03_sparse_moe.md#hint-l2) [C-3](../appendix-c/c-3.md)"
 
 
+def test_build_without_the_cjk_font_stops_before_touching_the_repo(monkeypatch, capsys):
+    """No fonts-noto-cjk: every Chinese character would print as a box and every page cite would be wrong. The
+    build stops first, changes no file, and names the Debian packages (not .venv, which is fine)."""
+    import importlib.util
+    monkeypatch.setattr(bookbuild, "_font", lambda lang: lang != "zh")
+    monkeypatch.setattr(bookbuild, "chromium", lambda: "/usr/bin/chromium")
+    monkeypatch.setattr(bookbuild.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    before = {p: p.read_bytes() for p in [*(ROOT / "lessons").glob("*.md"), *(ROOT / "book").rglob("*.md")]}
+    assert bookbuild.build(write=True) == 2
+    assert all(p.read_bytes() == text for p, text in before.items())
+    hint = capsys.readouterr().err
+    assert "apt: fonts-noto-cjk" in hint and "apt-get update" in hint, hint
+    assert all(pkg in hint for pkg in bookbuild.APT_PACKAGES) and ".venv" not in hint, hint
+
+
 # ---------------------------------------------------------------- the built book in a real browser
 
 def _tools_or_skip() -> None:
@@ -219,15 +235,26 @@ def test_every_page_renders_offline_in_chromium(built):
 
 
 def _search(page, base: str, query: str) -> tuple[int, list[str]]:
-    """Type `query` into the site's search box: (number of pages found, titles of the first results)."""
+    """Enter `query` into the site's search box: (number of pages found, titles of the first results), read once
+    the results stop changing."""
     page.goto(f"{base}index.html", wait_until="load")
+    meta_js = "document.querySelector('.md-search-result__meta')?.innerText || ''"
+    page.wait_for_function(f"() => ({meta_js}).includes('键入以开始搜索')", timeout=60_000)   # the index is ready
+    page.click("input.md-search__input")
     page.fill("input.md-search__input", query)
-    page.wait_for_function("() => /\\d+ 个符合条件的结果|没有找到/.test("
-                           "document.querySelector('.md-search-result__meta')?.innerText || '')", timeout=30_000)
-    meta = page.locator(".md-search-result__meta").inner_text()
-    titles = [t.replace("\u200b", "") for t in page.locator(".md-search-result__item > a h1").all_inner_texts()]
+    page.keyboard.press("End")                  # the search box reacts to keys, not to a pasted value alone
+    page.wait_for_function(f"() => /\\d+ 个符合条件的结果|没有找到/.test({meta_js})", timeout=30_000)
+    seen, same = None, 0
+    for _ in range(100):
+        page.wait_for_timeout(300)
+        now = (page.evaluate(meta_js), page.locator(".md-search-result__item > a h1").all_inner_texts())
+        same = same + 1 if now == seen else 0
+        seen = now
+        if same == 3:
+            break
+    meta, titles = seen
     found = re.search(r"(\d+) 个符合条件的结果", meta)
-    return (int(found.group(1)) if found else 0), titles
+    return (int(found.group(1)) if found else 0), [t.replace("\u200b", "") for t in titles]
 
 
 def test_search_finds_inflected_english_and_chinese(built):

@@ -125,10 +125,34 @@ def typeset(tex: str, display: bool) -> str:
     return _cache[key]
 
 
+_FIGURE = re.compile(r'<img alt="([^"]*)" src="([^"]*figures/[\w-]+\.svg)"\s*/?>')
+_FIGURE_LINK = re.compile(r'<a href="([^"#]+\.md)">')
+
+
+def _inline_linked_figures(content: str, src: str, docs_dir: str) -> str:
+    """A figure whose boxes link to chapters (course/book/figures: `box(..., href=)`) is drawn inline, its links
+    made relative to the page, so a reader can click them (links inside an <img> are dead). print-site then
+    rewrites them like every other link of the print page."""
+    import posixpath
+    from pathlib import Path
+    base = posixpath.dirname(src) or "."
+
+    def inline(m: re.Match) -> str:
+        svg = (Path(docs_dir) / posixpath.normpath(posixpath.join(base, m.group(2)))).read_text(encoding="utf-8")
+        if "<a href=" not in svg:
+            return m.group(0)
+        svg = _FIGURE_LINK.sub(lambda a: f'<a href="{posixpath.relpath(a.group(1), base)[:-3]}.html">', svg)
+        return f'<span class="figure-inline">{svg}</span>'
+    return _FIGURE.sub(inline, content)
+
+
 @event_priority(100)      # before the print-site plugin copies the page
-def on_page_content(content: str, **kwargs) -> str:
+def on_page_content(content: str, page=None, config=None, **kwargs) -> str:
     content = _BLOCK.sub(lambda m: typeset(html.unescape(m.group(1)).strip(), True), content)
-    return _INLINE.sub(lambda m: typeset(html.unescape(m.group(1)).strip(), False), content)
+    content = _INLINE.sub(lambda m: typeset(html.unescape(m.group(1)).strip(), False), content)
+    if page is not None and config is not None:
+        content = _inline_linked_figures(content, page.file.src_uri, config["docs_dir"])
+    return content
 
 
 _SECTION = re.compile(r'<section class="print-page" id="([^"]+)"')

@@ -12,11 +12,14 @@ def request_life() -> Svg:
              ("sample", "temperature / top-k\ntop-p / min-p", "e01"),
              ("postprocess", "追加 token、判停\n释放 block", "e03 · e05"),
              ("stream", "增量 detokenize\n→ 用户（HTTP）", "e05 · e06")]
+    chapters = ["track-e/e05-engine.md", "track-e/e03-scheduler.md", "track-e/e04-model-runner.md", "track-m/index.md",
+                "track-e/e01-sampling.md", "track-e/e05-engine.md", "track-e/e06-serving.md"]
     s = Svg(760, 300, "一个请求的一生：从 prompt 到流式输出")
     w, gap, y = 96, 12, 70
     for i, (name, what, ex) in enumerate(steps):
         x = 14 + i * (w + gap)
-        s.box(x, y, w, 40, name, fill=C["gpu"] if name == "forward" else C["kv"], weight="bold", size=12)
+        s.box(x, y, w, 40, name, fill=C["gpu"] if name == "forward" else C["kv"], weight="bold", size=12,
+              href=chapters[i])
         s.text(x + w / 2, y + 62, what, size=10.5, color="#333")
         s.text(x + w / 2, y + 110, ex, size=11, weight="bold", color="#a33")
         if i:
@@ -27,7 +30,7 @@ def request_life() -> Svg:
     x_sched = 14 + 1 * (w + gap) + w / 2
     s.line([(x_post, y + 130), (x_post, y + 160), (x_sched, y + 160), (x_sched, y + 122)])
     s.text((x_post + x_sched) / 2, y + 178, "未结束：下一步再调度（decode 一次一个 token）", size=11, color="#444")
-    s.text(380, 286, "红字：实现这一格的练习", size=11, color="#a33")
+    s.text(380, 286, "红字：实现这一格的练习；点一格打开讲它的一章", size=11, color="#a33")
     return s
 
 

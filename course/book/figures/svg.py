@@ -38,12 +38,17 @@ class Svg:
                               f'text-anchor="{anchor}" font-weight="{weight}" fill="{color}"{style}>'
                               f'{escape(line)}</text>')
 
-    def box(self, x, y, w, h, label, fill="#fff", size=13, mono=False, dash=False, weight="normal", rx=6):
-        """A rectangle with centred (possibly multi-line) text."""
+    def box(self, x, y, w, h, label, fill="#fff", size=13, mono=False, dash=False, weight="normal", rx=6, href=None):
+        """A rectangle with centred (possibly multi-line) text; with `href` (a page of the book, relative to the
+        book's root) the box is a link: the book build draws such a figure inline so the link can be clicked."""
+        if href:
+            self.items.append(f'<a href="{escape(href)}">')
         self.rect(x, y, w, h, fill=fill, dash=dash, rx=rx)
         lines = str(label).split("\n")
         top = y + h / 2 - (len(lines) - 1) * size * 1.25 / 2 + size * 0.35
         self.text(x + w / 2, top, label, size=size, mono=mono, weight=weight)
+        if href:
+            self.items.append("</a>")
 
     def line(self, points, arrow=True, color=STROKE, dash=False, sw=1.3):
         pts = " ".join(f"{x},{y}" for x, y in points)
