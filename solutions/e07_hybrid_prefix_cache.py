@@ -13,9 +13,10 @@ the snapshot into its fresh pool slot (e04) and prefills from there, reusing the
               that ended on boundary j*P snapshots the state under block j-1's hash. Decodes never do.
     hit       e02's run of KV hits, cut back to its longest prefix whose last block has a valid snapshot:
               KV without the state is useless to a GDN layer, a state without its KV useless to attention.
-    valid     a snapshot records the block ids it was taken with; it is a hit only while the KV lookup
-              finds exactly those blocks (never after one of them was evicted, never on blocks another
-              sequence registered but has not computed yet).
+    valid     the hash names every token before the boundary, so the state is a function of it. A hit also
+              needs every KV block of the prefix computed: e02 registers a block when it is allocated, so
+              a block registered by a sequence that has not run yet (or handed out again after eviction)
+              is no hit. A snapshot whose hash left the KV cache can never be reached; purge drops it.
     budget    num_snapshots rows preallocated like the pool (Qwen3.5-35B-A3B: 30 layers x (8192 x 3 conv +
               32 x 128 x 128 fp32 recurrent) = ~62 MiB each); LRU: a hit or a new snapshot moves an entry
               to the back, a full cache evicts the front, entries whose blocks are gone go first.
@@ -28,7 +29,6 @@ Lesson: lessons/e07_hybrid_prefix_cache.md (书 §E.7).
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -55,13 +55,6 @@ def chunk_end(start: int, end: int, num_tokens: int, block_size: int, shared_end
     return cut if cut > start else end
 
 
-@dataclass
-class Snapshot:
-    """One cache entry: a row of the snapshot store and the KV blocks of the prefix it was taken after."""
-    row: int
-    block_ids: tuple[int, ...]
-
-
 class StateCache:
     """GDN state snapshots keyed by the chained hash of the block at whose end they were taken (LRU, budgeted)."""
 
@@ -71,8 +64,8 @@ class StateCache:
         self.store = GDNStatePool(model, num_snapshots, dtype)   # same tensors as the pool: one row per snapshot
         self.num_snapshots = num_snapshots
         self.free_rows = list(range(num_snapshots - 1, -1, -1))
-        self.entries: OrderedDict[int, Snapshot] = OrderedDict()  # prefix hash -> snapshot; front = least recent
-        self.block_manager: BlockManager | None = None           # set by HybridBlockManager
+        self.entries: OrderedDict[int, int] = OrderedDict()      # prefix hash -> row; front = least recently used
+        self.block_manager: HybridBlockManager | None = None     # set by HybridBlockManager
         self.num_captured = self.num_restored = self.num_evicted = self.tokens_restored = 0
 
     @property
@@ -81,35 +74,32 @@ class StateCache:
                 "snapshot_hits": self.num_restored, "snapshots_evicted": self.num_evicted,
                 "prefill_tokens_saved": self.tokens_restored}
 
-    def _registered(self, block_ids: tuple[int, ...]) -> bool:
-        """Is every block still the cache entry that a lookup of its hash finds?"""
-        bm = self.block_manager
-        return all(bm.blocks[b].hash != -1 and bm.hash_to_block_id.get(bm.blocks[b].hash) == b for b in block_ids)
-
     def purge(self) -> None:
-        """Drop the entries whose blocks stopped being cache entries (evicted, or re-registered elsewhere)."""
-        for h in [h for h, snap in self.entries.items() if not self._registered(snap.block_ids)]:
-            self.free_rows.append(self.entries.pop(h).row)
+        """Drop the entries whose hash stopped being a KV cache entry: without its blocks a snapshot is never a hit."""
+        for h in [h for h in self.entries if h not in self.block_manager.hash_to_block_id]:
+            self.free_rows.append(self.entries.pop(h))
 
     def _take_row(self) -> int:
-        """A free row: dead entries first, then the least recently used one is evicted."""
+        """A free row of the store: rows of dead entries first, else the least recently used entry is evicted."""
         if not self.free_rows:
             self.purge()
         if not self.free_rows:
-            _, snap = self.entries.popitem(last=False)
+            _, row = self.entries.popitem(last=False)
             self.num_evicted += 1
-            return snap.row
+            return row
         return self.free_rows.pop()
 
     def lookup(self, hits: list[int]) -> int:
-        """How many of the leading KV hits (block ids, in order) can be used: the longest prefix hits[:n] whose
-        last block's hash has a snapshot taken with exactly those blocks (0 if none). A hit is moved to the
-        back of the LRU order."""
+        """How many of the leading KV hits (block ids, in order, from e02's lookup) can be used: the longest
+        prefix hits[:n] whose blocks all hold computed KV and whose last block's hash has a snapshot (0 if
+        none). The entry found moves to the back of the LRU order."""
         bm = self.block_manager
-        for n in range(len(hits), 0, -1):
+        computed = 0
+        while computed < len(hits) and bm.computed[hits[computed]]:
+            computed += 1
+        for n in range(computed, 0, -1):
             h = bm.blocks[hits[n - 1]].hash
-            snap = self.entries.get(h)
-            if snap is not None and snap.block_ids == tuple(hits[:n]):
+            if h in self.entries:
                 self.entries.move_to_end(h)
                 return n
         return 0
@@ -118,52 +108,62 @@ class StateCache:
         """After a step (before postprocess): snapshot seq's state if its prefill chunk ended on a block boundary.
 
         The chunk computed [num_cached_tokens, num_cached_tokens + num_scheduled_tokens). Decodes (one token)
-        never snapshot. The entry is keyed by the hash of the block ending at the boundary and records the
-        block ids up to it; when those blocks are not the registered cache entries, nothing is taken.
+        never snapshot. The entry is keyed by the hash of the block that ends at the boundary (it names every
+        token before the boundary); an entry already there is refreshed, else a row is taken (LRU eviction).
         """
         bm = self.block_manager
         end = seq.num_cached_tokens + seq.num_scheduled_tokens
         if seq.num_scheduled_tokens < 2 or end % bm.block_size:
             return False
-        block_ids = tuple(seq.block_table[:end // bm.block_size])   # blocks 0 .. j-1 for boundary j*P
-        if not self._registered(block_ids):
+        h = bm.blocks[seq.block_table[end // bm.block_size - 1]].hash
+        if h == -1:
             return False
-        h = bm.blocks[block_ids[-1]].hash
-        old = self.entries.pop(h, None)
-        row = old.row if old is not None else self._take_row()
+        row = self.entries.pop(h) if h in self.entries else self._take_row()
         src = pool.slot_of[seq.seq_id]
         for i in pool.conv:
             self.store.conv[i][row].copy_(pool.conv[i][src])
             self.store.ssm[i][row].copy_(pool.ssm[i][src])
-        self.entries[h] = Snapshot(row, block_ids)
+        self.entries[h] = row
         self.num_captured += 1
         return True
 
     def restore(self, seq: Sequence, pool: GDNStatePool) -> int:
         """seq was admitted with num_cached_tokens > 0 from a snapshot hit: give it a pool slot holding that state."""
         bm = self.block_manager
-        n = seq.num_cached_tokens // bm.block_size
-        snap = self.entries.get(bm.blocks[seq.block_table[n - 1]].hash)
-        if snap is None or snap.block_ids != tuple(seq.block_table[:n]):
+        h = bm.blocks[seq.block_table[seq.num_cached_tokens // bm.block_size - 1]].hash
+        row = self.entries.get(h)
+        if row is None:
             raise RuntimeError(f"sequence {seq.seq_id} resumes at token {seq.num_cached_tokens} but no snapshot "
-                               "was taken there with its blocks")
+                               "was taken there")
         slot = pool.allocate(seq)
         for i in pool.conv:
-            pool.conv[i][slot].copy_(self.store.conv[i][snap.row])
-            pool.ssm[i][slot].copy_(self.store.ssm[i][snap.row])
+            pool.conv[i][slot].copy_(self.store.conv[i][row])
+            pool.ssm[i][slot].copy_(self.store.ssm[i][row])
         self.num_restored += 1
         self.tokens_restored += seq.num_cached_tokens
         return slot
 
 
 class HybridBlockManager(BlockManager):
-    """e02's block manager whose prefix hits stop at the last block that has a GDN state snapshot."""
+    """e02's block manager whose prefix hits stop at the last computed block that has a GDN state snapshot."""
 
     def __init__(self, num_blocks: int, block_size: int, state_cache: StateCache):
         super().__init__(num_blocks, block_size, enable_prefix_caching=True)
         self.state_cache = state_cache
         state_cache.block_manager = self
+        self.computed = [False] * num_blocks          # the block holds the KV of all its tokens
         self.shared_tokens: dict[int, int] = {}      # seq_id -> tokens of its KV hit run at admission
+
+    def _allocate_block(self) -> int:
+        block_id = super()._allocate_block()
+        self.computed[block_id] = False               # a new owner: registered now, written by a later step
+        return block_id
+
+    def mark_computed(self, seq: Sequence) -> None:
+        """After a step: the blocks that seq's tokens [0, num_cached + num_scheduled) fill completely hold their KV."""
+        done = (seq.num_cached_tokens + seq.num_scheduled_tokens) // self.block_size
+        for block_id in seq.block_table[seq.num_cached_tokens // self.block_size:done]:
+            self.computed[block_id] = True
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         hits = super()._cached_prefix(seq)
@@ -206,6 +206,7 @@ class SnapshotRunner:
                 self.state_cache.restore(seq, pool)
         tokens = self.runner.run(seqs)
         for seq in seqs:
+            self.state_cache.block_manager.mark_computed(seq)
             self.state_cache.capture(seq, pool)
         return tokens
 
