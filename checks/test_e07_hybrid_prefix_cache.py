@@ -24,7 +24,7 @@ EMPTY = "切出了空 chunk 或倒退（切点 <= start）：chunk 里没有 blo
 KV_ONLY = "有 KV 但没有快照的块也算了命中：GDN 层拿不到那个位置的状态"
 STALE = ("命中没有要求前缀的 KV 块都已算好（block_manager.computed）：e02 在分配时就登记哈希，块被逐出、"
          "又被一条还没跑过的序列重新登记后，旧快照仍然命中，读到的是没算过的 KV")
-DECODE = "decode 步（一个 token）也拍了快照：每 P 个 token 一份、每份几十 MiB，很快挤掉有用的快照"
+DECODE = "decode 走到 block 边界也拍了快照：每 P 个 token 一份、每份几十 MiB，很快挤掉有用的快照（只在 prompt 的 prefill 里拍：end <= num_prompt_tokens）"
 OFF_BY_ONE = "快照挂错了块：边界 j·P 处的状态属于第 j-1 块（block_table[end // P - 1] 的哈希），不是第 j 块"
 NO_CONV = "restore 只恢复了 recurrent state（ssm），没有恢复 conv state"
 NO_SSM = "restore 只恢复了 conv state，没有恢复 recurrent state（ssm）"
@@ -116,7 +116,7 @@ def _step(bm, cache, pool, seq, tokens: int) -> bool:
     return took
 
 
-@point("capture / restore：chunk 落在 block 边界才拍、挂在结束处那一块的哈希上、decode 不拍；命中截到最后一个有快照的块；恢复的 conv 与 recurrent 状态逐元素相等")
+@point("capture / restore：prompt 的 chunk 落在 block 边界才拍、挂在结束处那一块的哈希上、decode 不拍；命中截到最后一个有快照的块；恢复的 conv 与 recurrent 状态逐元素相等")
 def test_capture_restore():
     r = Rand()
     bs = r.choice([2, 4])
@@ -140,8 +140,14 @@ def test_capture_restore():
         assert_equal(cache.store.ssm[i][row], state[i][1], what=f"第 {i} 层快照的 recurrent state", rand=r)
     took = _step(bm, cache, pool, a, bs - 1)                  # a chunk that ends inside a block: nothing
     assert not took and len(cache.entries) == 1, f"chunk 结束在块中间（{3 * bs - 1}）不该拍快照；{r}"
-    if _step(bm, cache, pool, a, 1) or len(cache.entries) != 1:   # one token reaching boundary 3P: a decode
-        raise AssertionError(f"只算一个 token 的一步（decode）不该拍快照；{r}\n  看起来像易错点：{DECODE}")
+    took = _step(bm, cache, pool, a, 2)                       # the prompt's last chunk [3P-1, 3P+1): no boundary
+    while a.num_cached_tokens < 4 * bs:                       # decodes up to boundary 4P: never a snapshot
+        a.append_token(r.int(1, 63))
+        bm.may_append(a)
+        took = _step(bm, cache, pool, a, 1) or took
+    if took or len(cache.entries) != 1:
+        raise AssertionError(f"decode 走到 block 边界 {4 * bs} 时不该拍快照（只在 prompt 的 prefill 里拍）；{r}"
+                             f"\n  看起来像易错点：{DECODE}")
 
     # b shares a's first 3 full blocks (KV hits), but only block 1 has a snapshot: b resumes at 2P
     b = _seq(e02, prompt[:3 * bs] + r.randint(1, 64, (bs + 1,)).tolist(), bs)

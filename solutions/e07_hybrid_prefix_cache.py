@@ -10,7 +10,7 @@ the snapshot into its fresh pool slot (e04) and prefills from there, reusing the
               prefill chunk at a block boundary: where the budget ran out (rounded down), at the prompt's
               last boundary (the tail runs in the next step), and where the request leaves the KV blocks
               already cached for it (a shared system prompt: the branch point). After the step, a chunk
-              that ended on boundary j*P snapshots the state under block j-1's hash. Decodes never do.
+              of the prompt that ended on boundary j*P snapshots the state under block j-1's hash. Decodes never do.
     hit       e02's run of KV hits, cut back to its longest prefix whose last block has a valid snapshot:
               KV without the state is useless to a GDN layer, a state without its KV useless to attention.
     valid     the hash names every token before the boundary, so the state is a function of it. A hit also
@@ -105,15 +105,16 @@ class StateCache:
         return 0
 
     def capture(self, seq: Sequence, pool: GDNStatePool) -> bool:
-        """After a step (before postprocess): snapshot seq's state if its prefill chunk ended on a block boundary.
+        """After a step (before postprocess): snapshot seq's state if its prompt chunk ended on a block boundary.
 
-        The chunk computed [num_cached_tokens, num_cached_tokens + num_scheduled_tokens). Decodes (one token)
-        never snapshot. The entry is keyed by the hash of the block that ends at the boundary (it names every
-        token before the boundary); an entry already there is refreshed, else a row is taken (LRU eviction).
+        The step computed [num_cached_tokens, num_cached_tokens + num_scheduled_tokens). Only chunks of the
+        prompt snapshot (end <= num_prompt_tokens): a decode crosses a boundary every P tokens, and those states
+        would crowd out the useful ones. The entry is keyed by the hash of the block that ends at the boundary
+        (it names every token before it); an entry already there is refreshed, else a row is taken (LRU).
         """
         bm = self.block_manager
         end = seq.num_cached_tokens + seq.num_scheduled_tokens
-        if seq.num_scheduled_tokens < 2 or end % bm.block_size:
+        if end > seq.num_prompt_tokens or end % bm.block_size:
             return False
         h = bm.blocks[seq.block_table[end // bm.block_size - 1]].hash
         if h == -1:
