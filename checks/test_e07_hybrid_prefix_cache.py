@@ -206,24 +206,32 @@ def test_lru_budget():
     bs = r.choice([2, 4])
     m, e02, pool, cache, bm = _parts(r, 64, 2, bs)
     seqs = []
-    for tok in (11, 22, 33):
+    for tok in (11, 22, 33, 44):
         s = _seq(e02, [tok] * bs + [1], bs)
         bm.allocate(s)
         _fill(pool, s, r)
         seqs.append(s)
     key = [bm.blocks[s.block_table[0]].hash for s in seqs]
-    _step(bm, cache, pool, seqs[0], bs)
-    _step(bm, cache, pool, seqs[1], bs)
-    assert cache.lookup([seqs[0].block_table[0]]) == 1, f"第 0 个前缀有快照，lookup 应返回 1；{r}"
-    _step(bm, cache, pool, seqs[2], bs)                       # full: the least recently used (prefix 1) goes
+
+    def kept():
+        return [i for i in range(4) if key[i] in cache.entries]
+
+    for i in range(3):                                        # budget 2: the third evicts the oldest (prefix 0)
+        _step(bm, cache, pool, seqs[i], bs)
+        seqs[i].num_cached_tokens = 0                         # (the same chunk again later: only its state matters)
     if len(cache.entries) > 2:
         raise AssertionError(f"预算 2 份快照，却存了 {len(cache.entries)} 份；{r}")
-    kept = [i for i in range(3) if key[i] in cache.entries]
-    if kept != [0, 2]:
-        mistake = NO_TOUCH if kept == [1, 2] else EVICT_NEWEST if kept == [0, 1] else ""
-        raise AssertionError(f"lookup 刚命中前缀 0，再拍前缀 2 时应逐出前缀 1，留下 [0, 2]，得到 {kept}；{r}"
+    if kept() != [1, 2]:
+        mistake = EVICT_NEWEST if kept() == [0, 2] else ""
+        raise AssertionError(f"依次拍前缀 0、1、2，预算 2：应逐出最久未用的前缀 0，留下 [1, 2]，得到 {kept()}；{r}"
                              + (f"\n  看起来像易错点：{mistake}" if mistake else ""))
-    assert cache.stats["snapshots_evicted"] == 1, f"逐出一次，stats 应记下：{cache.stats}"
+    assert cache.lookup([seqs[1].block_table[0]]) == 1, f"前缀 1 有快照，lookup 应返回 1；{r}"
+    _step(bm, cache, pool, seqs[3], bs)                       # prefix 1 was just hit: prefix 2 goes now
+    if kept() != [1, 3]:
+        mistake = NO_TOUCH if kept() == [2, 3] else ""
+        raise AssertionError(f"lookup 刚命中前缀 1，再拍前缀 3 时应逐出前缀 2，留下 [1, 3]，得到 {kept()}；{r}"
+                             + (f"\n  看起来像易错点：{mistake}" if mistake else ""))
+    assert cache.stats["snapshots_evicted"] == 2, f"逐出两次，stats 应记下：{cache.stats}"
 
 
 # ----------------------------------------------------------------------------- the engine, against HF
