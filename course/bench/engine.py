@@ -8,6 +8,7 @@ Models: the real architectures with dummy bf16 weights built on the GPU (no down
     ./check.sh bench [--model qwen3-0.6b|qwen3-30b-a3b|qwen3.5-35b-a3b] [--num-seqs 256] [--peer hf]
                      [--peer-num-seqs 64] [--enforce-eager] [--plot out.png] [--json out.json]
     ./check.sh bench --tp 2 [--model ...]   the engine at TP=2 and at TP=1 on the same prompts (bench_tp)
+    ./check.sh bench --workload multiturn   multi-turn chats, hybrid prefix caching off and on (multiturn.py, e07)
     ./check.sh bench k01|k02|k03|k04        the kernel benchmarks of Track K
 """
 
@@ -228,6 +229,9 @@ def run_hf_peer(args, prompts, out_lens) -> dict:
 
 
 def main(argv: list[str], say) -> int:
+    if any(a == "--workload" or a.startswith("--workload=") for a in argv):
+        from .multiturn import main as multiturn
+        return multiturn(argv, say)
     if argv and argv[0] in ("k01", "k02"):
         from .kernels import bench_kernel
         return bench_kernel(argv[0], argv[1:])
