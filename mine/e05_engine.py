@@ -7,6 +7,8 @@
       stream(prompts, params)       the same loop, yielding every token as soon as it is sampled
 
 Token ids in, token ids out; with a tokenizer, strings in and text out as well.
+A hybrid (Gated DeltaNet) model with enable_prefix_caching=True gets e07's parts: HybridBlockManager,
+HybridScheduler and a SnapshotRunner around the runner (GDN state snapshots at block boundaries).
 """
 
 from __future__ import annotations
