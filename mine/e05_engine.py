@@ -7,6 +7,8 @@
       stream(prompts, params)       the same loop, yielding every token as soon as it is sampled
 
 Token ids in, token ids out; with a tokenizer, strings in and text out as well.
+A hybrid (Gated DeltaNet) model with enable_prefix_caching=True gets e07's parts: HybridBlockManager,
+HybridScheduler and a SnapshotRunner around the runner (GDN state snapshots at block boundaries).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from .e01_sampling import SamplingParams
 from .e02_block_manager import BlockManager, Sequence, SequenceStatus
 from .e03_scheduler import Scheduler, SchedulerConfig
 from .e04_model_runner import ModelRunner
+from .e07_hybrid_prefix_cache import HybridBlockManager, HybridScheduler, SnapshotRunner, StateCache
 from .m06_models import build_model, from_pretrained, init_dummy_weights
 
 
@@ -34,12 +37,14 @@ class EngineConfig:
     block_size: int = 16
     num_kvcache_blocks: int = 256
     enable_prefix_caching: bool | None = None     # None: on, except for hybrid (Gated DeltaNet) models
+    num_state_snapshots: int = 64                 # hybrid prefix caching (e07): GDN state snapshots kept
     enable_chunked_prefill: bool = True
     dtype: torch.dtype = torch.float32
     seed: int = 0                                 # dummy weights only
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kvcache_blocks"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "num_kvcache_blocks",
+                     "num_state_snapshots"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -65,15 +70,17 @@ class LLM:
         eos = eos[0] if isinstance(eos, (list, tuple)) else eos
         hybrid = bool(self.model.linear_layer_ids)
         prefix = (not hybrid) if config.enable_prefix_caching is None else config.enable_prefix_caching
-        if hybrid and prefix:
-            raise ValueError("prefix caching needs per-block state; Gated DeltaNet layers keep one recurrent "
-                             "state per sequence, so it must be off for hybrid models")
-        self.block_manager = BlockManager(config.num_kvcache_blocks, config.block_size, enable_prefix_caching=prefix)
-        self.scheduler = Scheduler(SchedulerConfig(
+        snapshots = hybrid and prefix      # e07: a GDN layer resumes from a state snapshot, not from KV blocks
+        state_cache = StateCache(self.model, config.num_state_snapshots, config.dtype) if snapshots else None
+        self.block_manager = (HybridBlockManager(config.num_kvcache_blocks, config.block_size, state_cache) if snapshots
+                              else BlockManager(config.num_kvcache_blocks, config.block_size, enable_prefix_caching=prefix))
+        self.scheduler = (HybridScheduler if snapshots else Scheduler)(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, eos_token_id=-1 if eos is None else int(eos),
             enable_chunked_prefill=config.enable_chunked_prefill), self.block_manager)
         self.runner = ModelRunner(self.model, config.num_kvcache_blocks, config.block_size, config.max_num_seqs)
+        if snapshots:
+            self.runner = SnapshotRunner(self.runner, state_cache)
         self.requests: dict[int, Sequence] = {}
 
     # ------------------------------------------------------------------ requests
@@ -141,9 +148,12 @@ class LLM:
 
     @property
     def stats(self) -> dict[str, int]:
-        return {"prefix_hit_blocks": self.block_manager.num_prefix_hits,
-                "preemptions": self.scheduler.num_preemptions, "steps": self.scheduler.num_steps,
-                "free_blocks": self.block_manager.num_free_blocks, "total_blocks": len(self.block_manager.blocks)}
+        stats = {"prefix_hit_blocks": self.block_manager.num_prefix_hits,
+                 "preemptions": self.scheduler.num_preemptions, "steps": self.scheduler.num_steps,
+                 "free_blocks": self.block_manager.num_free_blocks, "total_blocks": len(self.block_manager.blocks)}
+        if isinstance(self.block_manager, HybridBlockManager):     # e07's snapshot counters
+            stats.update(self.block_manager.state_cache.stats)
+        return stats
 
 
 def _load(model, tokenizer, config: EngineConfig) -> tuple[nn.Module, object]:

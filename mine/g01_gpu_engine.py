@@ -40,6 +40,7 @@ from .e03_scheduler import Scheduler, SchedulerConfig
 from .e04_model_runner import GDNStatePool, ModelRunner
 from .e05_engine import LLM as CPULLM
 from .e05_engine import EngineConfig, _load
+from .e07_hybrid_prefix_cache import HybridBlockManager, HybridScheduler, SnapshotRunner, StateCache
 from .k01_triton_basics import add_rms_norm
 from .k02_paged_attention import TritonPagedAttention
 from .k03_fused_moe import fused_moe_forward
@@ -529,6 +530,10 @@ class LLM(CPULLM):
                 model = self.tp.shard(model)
             super().__init__(model, tokenizer, **kwargs)
             if self.tp is not None:
+                if isinstance(self.runner, SnapshotRunner):
+                    self.tp.close()
+                    raise ValueError("prefix caching for hybrid models (GDN state snapshots) runs at "
+                                     "tensor_parallel_size=1 only")
                 self.runner = self.tp.attach(self.runner)
             return
         if not 0 < gpu_memory_utilization <= 1:
@@ -549,16 +554,25 @@ class LLM(CPULLM):
         eos = eos[0] if isinstance(eos, (list, tuple)) else eos
         hybrid = bool(self.model.linear_layer_ids)
         prefix = (not hybrid) if config.enable_prefix_caching is None else config.enable_prefix_caching
-        if hybrid and prefix:
-            raise ValueError("prefix caching needs per-block state; Gated DeltaNet layers keep one recurrent "
-                             "state per sequence, so it must be off for hybrid models")
+        snapshots = hybrid and prefix      # e07: GDN state snapshots on the device
+        if snapshots and self.tp is not None:
+            self.tp.close()
+            raise ValueError("prefix caching for hybrid models (GDN state snapshots) runs at tensor_parallel_size=1 only")
+        state_cache = None
+        if snapshots:                     # allocated before the KV cache is sized from the memory left
+            with torch.device(device):
+                state_cache = StateCache(self.model, config.num_state_snapshots, config.dtype)
         self.runner = GPUModelRunner(self.model, config.block_size, config.max_num_seqs, config.max_model_len,
                                      config.max_num_batched_tokens, num_blocks, gpu_memory_utilization, enforce_eager)
         if self.tp is not None:           # rank 0: every worker ready; KV blocks = the fewest any rank has
             self.runner = self.tp.attach(self.runner)
         config.num_kvcache_blocks = self.runner.num_blocks
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, enable_prefix_caching=prefix)
-        self.scheduler = Scheduler(SchedulerConfig(
+        if snapshots:                     # restores are copies into the pool before the step: never inside a graph
+            self.runner = SnapshotRunner(self.runner, state_cache)
+            self.block_manager = HybridBlockManager(self.runner.num_blocks, config.block_size, state_cache)
+        else:
+            self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, enable_prefix_caching=prefix)
+        self.scheduler = (HybridScheduler if snapshots else Scheduler)(SchedulerConfig(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len, eos_token_id=-1 if eos is None else int(eos),
             enable_chunked_prefill=config.enable_chunked_prefill), self.block_manager)

@@ -13,6 +13,7 @@ With --peer hf every engine runs in a process of its own (the whole GPU each: a 
 process would find the first one's memory still held); the ratio is printed only from runs that started
 with the same free GPU memory on the same prompts.
     ./check.sh bench --tp 2 [--model ...]   the engine at TP=2 and at TP=1 on the same prompts (bench_tp)
+    ./check.sh bench --workload multiturn   multi-turn chats, hybrid prefix caching off and on (multiturn.py, e07)
     ./check.sh bench k01|k02|k03|k04        the kernel benchmarks of Track K
 """
 
@@ -280,6 +281,9 @@ def run_hf_peer(args, prompts, out_lens) -> dict:
 
 
 def main(argv: list[str], say) -> int:
+    if any(a == "--workload" or a.startswith("--workload=") for a in argv):
+        from .multiturn import main as multiturn
+        return multiturn(argv, say)
     if argv and argv[0] in ("k01", "k02"):
         from .kernels import bench_kernel
         return bench_kernel(argv[0], argv[1:])

@@ -1,0 +1,199 @@
+"""`./check.sh bench --workload multiturn`: multi-turn chats on a hybrid model, prefix caching off and on (e07).
+
+    ./check.sh bench --workload multiturn --model qwen3.5-35b-a3b     the H200 measurement (dummy bf16 weights)
+    ./check.sh bench --workload multiturn --device cpu                a tiny hybrid on the CPU (a smoke test)
+
+Workload (random.seed(0)): `conversations` chats share one system prompt of `system_len` random token ids; turn 1
+of chat c is the system prompt + a message of `message_len` tokens; each answer is `answer_len` tokens (greedy,
+ignore_eos); turn t+1 = turn t's prompt + its answer + a new message. Closed loop: every chat sends turn 1 at
+once, and each next turn as soon as the previous answer is complete. The same engine settings run the whole
+workload twice in one process, caching off then on. Reported per run: prompt tokens, prefill tokens computed
+(prompt tokens the model actually ran), snapshot hits, mean / p50 / p90 time to first token (from submitting a
+turn to its first token), output tokens per second, wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+CPU_DEFAULTS = dict(conversations=4, turns=3, system_len=96, message_len=16, answer_len=8, block_size=16,
+                    max_num_batched_tokens=256, snapshots=16)
+GPU_DEFAULTS = dict(conversations=64, turns=4, system_len=1000, message_len=100, answer_len=64, block_size=16,
+                    max_num_batched_tokens=8192, snapshots=256)
+
+
+def tiny_hybrid_config():
+    """A small Qwen3.5-MoE text config (GDN + full attention, MoE) for the CPU smoke run."""
+    from transformers import AutoConfig
+    return AutoConfig.for_model(
+        "qwen3_5_moe_text", vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=4096,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"])
+
+
+def chats(args) -> tuple[list[int], list[list[list[int]]]]:
+    """The shared system prompt and, per chat, the new message of every turn."""
+    rng = random.Random(0)
+    vocab = args.vocab
+    system = [rng.randrange(1, vocab) for _ in range(args.system_len)]
+    messages = [[[rng.randrange(1, vocab) for _ in range(args.message_len)] for _ in range(args.turns)]
+                for _ in range(args.conversations)]
+    return system, messages
+
+
+def run_chats(llm, SamplingParams, args, caching: bool) -> dict:
+    """Drive the closed-loop chats through llm.step(); count what the model computed and when first tokens came."""
+    system, messages = chats(args)
+    params = SamplingParams(temperature=0.0, max_tokens=args.answer_len, ignore_eos=True)
+    computed = [0]
+    inner_run = llm.runner.run
+
+    def run(seqs):                   # prompt tokens this step computes (a recomputed answer after preemption: no)
+        computed[0] += sum(min(s.num_scheduled_tokens, max(0, s.num_prompt_tokens - s.num_cached_tokens))
+                           for s in seqs)
+        return inner_run(seqs)
+    llm.runner.run = run
+    history = [system + messages[c][0] for c in range(args.conversations)]
+    turn = [0] * args.conversations
+    owner, submitted, ttft, answers = {}, {}, [], {}
+    prompt_tokens = 0
+
+    def submit(c):
+        nonlocal prompt_tokens
+        rid = llm.add_request(history[c], params)
+        owner[rid], submitted[rid], answers[rid] = c, time.perf_counter(), []
+        prompt_tokens += len(history[c])
+
+    sync = _sync(llm)
+    sync()
+    t0 = time.perf_counter()
+    for c in range(args.conversations):
+        submit(c)
+    output_tokens = 0
+    while llm.has_unfinished():
+        for rid, token, finished in llm.step():
+            now = time.perf_counter()
+            if not answers[rid]:
+                ttft.append(now - submitted[rid])
+            answers[rid].append(token)
+            output_tokens += 1
+            if finished:
+                c = owner[rid]
+                llm.requests.pop(rid, None)
+                turn[c] += 1
+                if turn[c] < args.turns:
+                    history[c] = history[c] + answers[rid] + messages[c][turn[c]]
+                    submit(c)
+    sync()
+    wall = time.perf_counter() - t0
+    llm.runner.run = inner_run
+    stats = llm.stats
+    ttft_ms = sorted(1e3 * t for t in ttft)
+    return dict(caching=caching, requests=len(ttft), prompt_tokens=prompt_tokens, prefill_computed=computed[0],
+                snapshot_hits=stats.get("snapshot_hits", 0), snapshots_evicted=stats.get("snapshots_evicted", 0),
+                preemptions=stats["preemptions"], steps=stats["steps"], output_tokens=output_tokens,
+                mean_ttft_ms=statistics.fmean(ttft_ms), p50_ttft_ms=ttft_ms[len(ttft_ms) // 2],
+                p90_ttft_ms=ttft_ms[min(len(ttft_ms) - 1, int(0.9 * len(ttft_ms)))],
+                tok_per_s=output_tokens / wall, seconds=wall)
+
+
+def _sync(llm):
+    import torch
+    device = next(llm.model.parameters()).device
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+def build(args, caching: bool):
+    """One engine: g01's on CUDA, e05's on the CPU; the engine files the learner has passed, else the references."""
+    from ..grader import select
+    from ..runtime import run
+    selection, report = run.auto_selection(gpu=args.device == "cuda")
+    select.use(selection)
+    kw = dict(max_num_seqs=max(args.conversations, 1), max_num_batched_tokens=args.max_num_batched_tokens,
+              max_model_len=args.max_model_len, block_size=args.block_size, enable_prefix_caching=caching,
+              num_state_snapshots=args.snapshots)
+    if args.device == "cuda":
+        from .engine import hf_config
+        g01 = select.load("g01_gpu_engine")
+        llm = g01.LLM(hf_config(args.model), gpu_memory_utilization=0.9, enforce_eager=args.enforce_eager, **kw)
+    else:
+        e05 = select.load("e05_engine")
+        llm = e05.LLM(tiny_hybrid_config(), num_kvcache_blocks=args.num_kvcache_blocks, **kw)
+    return llm, select.load("e01_sampling").SamplingParams, report
+
+
+def measure(args, caching: bool) -> dict:
+    import gc
+    llm, SamplingParams, report = build(args, caching)
+    if args.device == "cuda":        # Triton compiles per specialisation: every path once before the clock starts
+        rng = random.Random(1)
+        warm = [[rng.randrange(1, args.vocab) for _ in range(n)] for n in (1, 17, 300, args.system_len + 37)]
+        llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True))
+    result = run_chats(llm, SamplingParams, args, caching)
+    result["engine files"] = ", ".join(path for _, path in report)
+    print("RESULT", json.dumps(result), flush=True)
+    if hasattr(llm, "close"):
+        llm.close()
+    del llm
+    gc.collect()
+    if args.device == "cuda":
+        import torch
+        torch.cuda.empty_cache()
+    return result
+
+
+def main(argv: list[str], say) -> int:
+    p = argparse.ArgumentParser(prog="./check.sh bench --workload multiturn", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", choices=["multiturn"], required=True)
+    p.add_argument("--model", default="qwen3.5-35b-a3b", choices=["qwen3.5-35b-a3b"])
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when available")
+    for name in GPU_DEFAULTS:
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--num-kvcache-blocks", type=int, default=2048, help="CPU only (the GPU sizes it from memory)")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    import torch
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        say("[yellow]--device cuda 需要 NVIDIA GPU；这台机器没有。CPU 上的冒烟测试：--device cpu[/]")
+        return 2
+    for name, value in (GPU_DEFAULTS if args.device == "cuda" else CPU_DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    longest = args.system_len + args.turns * (args.message_len + args.answer_len)
+    args.max_model_len = args.max_model_len or longest + 64
+    args.vocab = 151936 if args.device == "cuda" else 512
+    results = [measure(args, caching=False), measure(args, caching=True)]
+    from rich.table import Table
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU, tiny dummy Qwen3.5-MoE"
+    table = Table(title=f"multiturn: {args.conversations} chats × {args.turns} turns, system prompt {args.system_len}, "
+                        f"message {args.message_len}, answer {args.answer_len}  ({args.model if args.device == 'cuda' else where}"
+                        f"{', ' + where if args.device == 'cuda' else ''})")
+    for col in ("prefix caching", "prompt tok", "prefill computed", "snapshot hits", "mean TTFT ms", "p50 ms",
+                "p90 ms", "output tok/s", "seconds"):
+        table.add_column(col)
+    for r in results:
+        table.add_row("on" if r["caching"] else "off", str(r["prompt_tokens"]), str(r["prefill_computed"]),
+                      str(r["snapshot_hits"]), f"{r['mean_ttft_ms']:.1f}", f"{r['p50_ttft_ms']:.1f}",
+                      f"{r['p90_ttft_ms']:.1f}", f"{r['tok_per_s']:.0f}", f"{r['seconds']:.2f}")
+    say(table)
+    off, on = results
+    fewer = off["prefill_computed"] / max(on["prefill_computed"], 1)
+    faster = off["mean_ttft_ms"] / max(on["mean_ttft_ms"], 1e-9)
+    say(f"prefill tokens computed: {fewer:.2f}× fewer with hybrid prefix caching (target ≥ 3×); "
+        f"mean TTFT {faster:.2f}× lower (target ≥ 2×); output tok/s {on['tok_per_s'] / max(off['tok_per_s'], 1e-9):.2f}×")
+    say(f"engine files: {on['engine files']}")
+    line = json.dumps(dict(off=off, on=on, prefill_ratio=fewer, ttft_ratio=faster))
+    print("BENCH_JSON " + line)
+    if args.json:
+        open(args.json, "w").write(line)
+    return 0
