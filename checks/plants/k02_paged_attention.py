@@ -43,4 +43,12 @@ PLANTS = [
           old="s = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=tl.float32) * qk_scale",
           new="s = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=tl.float32).to(q.dtype) * qk_scale",
           expect="65504"),
+    Plant("lse_mixed_log_base", "lse 混用了对数的底（m 是 log₂ 单位，却写成 m + ln l）",
+          old="    tl.store(lse_part_ptr + part_rows, m_i + tl.log2(l_i), mask=tl.arange(0, BLOCK_G) < GROUP)\n",
+          new="    tl.store(lse_part_ptr + part_rows, m_i + tl.log(l_i), mask=tl.arange(0, BLOCK_G) < GROUP)\n",
+          expect="混用了对数的底"),
+    Plant("reduce_weights_natural_exp", "reduce 的权重用了 exp 而不是 exp2（lse 是 log₂ 单位）",
+          old="    w = tl.where(live, tl.exp2(lse - tl.max(lse, axis=0)), 0.0)",
+          new="    w = tl.where(live, tl.exp(lse - tl.max(lse, axis=0)), 0.0)",
+          expect="混用了对数的底"),
 ]
