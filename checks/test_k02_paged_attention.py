@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from checks.kit import Rand, assert_close, impl, needs_cuda, point, to_cpu, to_dev
+from checks.kit import GuardedAlloc, Rand, assert_close, impl, needs_cuda, point, to_cpu, to_dev
 
 MODULE = "k02_paged_attention"
 torch.set_num_threads(1)
@@ -103,13 +103,13 @@ def test_prefill_cached_prefix_gqa():
     m = impl(MODULE)
     r = Rand()
     nkv = 2
-    nh, d, page = nkv * r.choice([2, 3]), r.choice([16, 32]), r.choice([16, 32])
+    nh, d, page = nkv * r.choice([2, 3]), r.choice([24, 40]), r.choice([16, 32])     # D not a power of 2
     lens_k = [r.int(20, 100) for _ in range(2)]
     lens_q = [r.int(2, lk - 5) for lk in lens_k]
     q, kc, vc, bt, cu_q, cu_k, keys, values = paged_problem(r, lens_q, lens_k, nh, nkv, d, page)
     scale = d ** -0.5
-    out = m.prefill_attention(*to_dev(q, kc, vc, cu_q, cu_k, bt), max(lens_q), scale)
-    assert_close(out, reference(q, keys, values, cu_q, cu_k, scale), what="带前缀的 prefill_attention",
+    out = _guarded(lambda: m.prefill_attention(*to_dev(q, kc, vc, cu_q, cu_k, bt), max(lens_q), scale), d, r)
+    assert_close(out, reference(q, keys, values, cu_q, cu_k, scale), what=f"带前缀的 prefill_attention（D={d}）",
                  rand=r, atol=1e-5, rtol=1e-4,
                  looks_like=[(reference(q, keys, values, cu_q, cu_k, scale, top_left=True), M_TOP_LEFT),
                              (reference(q, keys, values, cu_q, cu_k, scale, gqa_tiled=True), M_GQA)])
@@ -128,6 +128,17 @@ def test_flash_attention_varlen_unpaged():
     assert_close(out, reference(q, keys, values, cu_q, cu_k, scale), what="flash_attention_varlen", rand=r,
                  atol=1e-5, rtol=1e-4,
                  looks_like=[(reference(q, keys, values, cu_q, cu_k, scale, top_left=True), M_TOP_LEFT)])
+
+
+def _guarded(call, d: int, r: Rand):
+    """Run call() with every output it allocates followed by NaN; a store past the end of one fails here
+    (instead of corrupting memory and killing the check process)."""
+    with GuardedAlloc() as alloc:
+        out = call()
+    if alloc.overran():
+        raise AssertionError(f"kernel 写到了它分配的输出的末尾之外（D = {d} 不是 2 的幂）：store 的 mask 要同时限制行"
+                             f"（i < Lq）和列（d < D：BLOCK_D 补齐出来的列不属于这个头）；{r}")
+    return out
 
 
 def _ramp_problem(r: Rand, rising: bool):
@@ -256,19 +267,19 @@ def test_decode_splits():
 def test_decode_tail_and_gqa():
     m = impl(MODULE)
     r = Rand()
-    nkv, d, page = 2, 32, r.choice([16, 32])
+    nkv, d, page = 2, r.choice([24, 40]), r.choice([16, 32])                      # D not a power of 2
     nh = nkv * r.choice([2, 4])
     scale = d ** -0.5
     lens = [r.int(2, 15), r.int(17, 127), r.int(129, 200)]        # >= 2 keys: dropping the last leaves one
     q, kc, vc, bt, ctx, cu_q, cu_k, keys, values = _decode_case(r, lens, nh, nkv, d, page)
-    out = to_cpu(m.decode_attention(*to_dev(q, kc, vc, bt, ctx), scale, 3))
+    out = to_cpu(_guarded(lambda: m.decode_attention(*to_dev(q, kc, vc, bt, ctx), scale, 3), d, r))
     ref = reference(q, keys, values, cu_q, cu_k, scale)
     short = reference(q, torch.cat([keys[int(cu_k[b]):int(cu_k[b + 1]) - 1] for b in range(3)]),
                       torch.cat([values[int(cu_k[b]):int(cu_k[b + 1]) - 1] for b in range(3)]),
                       cu_q, cu_k - torch.arange(4).int(), scale)
     hints = [(reference(q, keys, values, cu_q, cu_k, scale, gqa_tiled=True), M_GQA), (short, M_LAST_KEY),
              (_unmasked_tail(q, keys, values, cu_q, cu_k, scale, 3), M_TAIL_MASK)]
-    assert_close(out, ref, what=f"decode_attention（长度 {lens}，P={page}）", rand=r, atol=1e-5, rtol=1e-4,
+    assert_close(out, ref, what=f"decode_attention（长度 {lens}，P={page}，D={d}）", rand=r, atol=1e-5, rtol=1e-4,
                  looks_like=hints)
 
 

@@ -62,4 +62,8 @@ PLANTS = [
           old="    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)\n",
           new="    out = torch.empty(x2.shape, dtype=out_dtype, device=x.device)\n",
           expect="同形状"),
+    Plant("store_no_dim_mask", "D 不是 2 的幂时补齐的列没有 mask（store_kvcache 写进了下一个头）",
+          old="    mask = (heads < num_kv_heads) & (dims < head_dim)\n",
+          new="    mask = (heads < num_kv_heads) & (dims >= 0)\n",
+          expect=None),
 ]

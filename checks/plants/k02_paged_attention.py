@@ -51,4 +51,12 @@ PLANTS = [
           old="    w = tl.where(live, tl.exp2(lse - tl.max(lse, axis=0)), 0.0)",
           new="    w = tl.where(live, tl.exp(lse - tl.max(lse, axis=0)), 0.0)",
           expect="混用了对数的底"),
+    Plant("decode_no_head_dim_mask", "head_dim 不是 2 的幂时补齐的列没有 mask（decode 把 BLOCK_D 当成了 D）",
+          old="        scale * LOG2E, head_dim, group, NUM_SPLITS=num_splits, PAGE=page,\n",
+          new="        scale * LOG2E, block_d, group, NUM_SPLITS=num_splits, PAGE=page,\n",
+          expect=None),
+    Plant("prefill_no_head_dim_mask", "head_dim 不是 2 的幂时补齐的列没有 mask（prefill 把 BLOCK_D 当成了 D）",
+          old="        block_tables.stride(0) if paged else 0, scale * LOG2E, head_dim,\n",
+          new="        block_tables.stride(0) if paged else 0, scale * LOG2E, triton.next_power_of_2(head_dim),\n",
+          expect=None),
 ]
