@@ -19,6 +19,7 @@ import types
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from course.grader import select
@@ -195,3 +196,30 @@ class OpCount(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += 1
         return func(*args, **(kwargs or {}))
+
+
+class GuardedAlloc(TorchFunctionMode):
+    """Inside it, every contiguous float tensor from torch.empty / empty_like / zeros / ... is the front of a
+    longer buffer whose tail holds NaN: a kernel that stores past the end of its output shows up there."""
+
+    FACTORIES = {torch.empty, torch.empty_like, torch.zeros, torch.zeros_like, torch.Tensor.new_empty,
+                 torch.Tensor.new_zeros, torch.empty_strided}
+
+    def __init__(self):
+        super().__init__()
+        self.tails: list[torch.Tensor] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func not in self.FACTORIES or not isinstance(out, torch.Tensor) or not out.dtype.is_floating_point \
+                or not out.is_contiguous():
+            return out
+        n = out.numel()                                   # (the mode is off inside its own handler)
+        buf = torch.full((2 * n + 4096,), float("nan"), dtype=out.dtype, device=out.device)
+        if func in (torch.zeros, torch.zeros_like, torch.Tensor.new_zeros):
+            buf[:n] = 0
+        self.tails.append(buf[n:])
+        return buf[:n].view(out.shape)
+
+    def overran(self) -> bool:
+        return any(not bool(torch.isnan(t).all()) for t in self.tails)

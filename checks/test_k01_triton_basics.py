@@ -9,14 +9,17 @@ tokens in bf16 (skipped, never passed, without a GPU).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from checks.kit import DEVICE, Rand, assert_close, assert_equal, impl, needs_cuda, point, to_cpu, to_dev
+from checks.kit import DEVICE, GuardedAlloc, Rand, assert_close, assert_equal, impl, needs_cuda, point, to_cpu, to_dev
 
 MODULE = "k01_triton_basics"
 torch.set_num_threads(1)
 
 M_SLOT_NEG = "slot = −1 的填充行也写了（应整行跳过：if slot < 0: return）"
+M_SLOT_ZERO = "把 slot 0 当成了填充行跳过（判断应为 slot < 0，不是 slot ≤ 0：slot 0 是块 0 的第 0 行，一个合法的槽位）"
 M_STRIDE = "把 k/v 当成连续张量（token 步长写成 nKV·D）：从 qkv 切出的 k/v 是非连续 view，应传 k.stride(0)"
 M_STATS_DTYPE = "平方和在 x.dtype（fp16/bf16）里算：统计量必须先 .to(tl.float32)"
 M_BLOCK_MEAN = "均值除以了 BLOCK_H（补齐到 2 的幂的块宽）而不是真实的 H"
@@ -24,6 +27,11 @@ M_CAST_ORDER = "cast 顺序写反：Qwen3 是先 n.to(x.dtype) 再乘 w，(1+w) 
 M_GEMMA_W = "(1+w) norm 乘了 w 而不是 1 + w"
 M_SUM_UNROUNDED = "对未舍入的 fp32 和 x + residual 求统计量：应先把和舍入到 x.dtype（与 HF / m01 一致），再求 norm"
 M_RES_OUT = "返回的 residual 不是 x + residual"
+M_EPS_OUT = "eps 放在了根号外（h / (sqrt(mean) + eps)）：应为 h · rsqrt(mean(h²) + eps)，范数很小的行差别很大"
+M_X_STRIDE = "把 x 的行步长当成了 H：x 可以是更宽张量的列切片（x.stride(0) > H），应把 x2.stride(0) 传进 kernel"
+M_GRID_DOWN = "最后几行没有被归一化：grid 向下取整了，应为 cdiv(R, ROWS)（R 不是 ROWS 的整数倍）"
+M_ROW_MASK = "最后一个 program 多出来的行没有 mask（行 mask rows < R）：写到了输出张量之外"
+M_SHAPE = "输出要与 x 同形状 [..., H]（kernel 按 [R, H] 写，返回前 view 回 x.shape）"
 
 
 def _guarded_caches(num_blocks: int, page: int, nkv: int, d: int, dtype=torch.float32, device=DEVICE):
@@ -33,23 +41,26 @@ def _guarded_caches(num_blocks: int, page: int, nkv: int, d: int, dtype=torch.fl
 
 
 def _store_case(r: Rand, dtype=torch.float32, device=DEVICE, n=None, pad=True):
-    nkv, d, page = r.choice([1, 2, 4]), r.choice([16, 32, 48]), r.choice([16, 32])
+    nkv, d, page = r.choice([1, 3]), r.choice([24, 48]), r.choice([16, 32])       # D never a power of 2
     n = n or r.int(3, 24)
     num_blocks = (n + page - 1) // page + r.int(1, 3)
     nh = nkv * r.int(1, 3)
     qkv = r.randn(n, (nh + 2 * nkv) * d, dtype=dtype).to(device)                 # the fused projection
     q_, k, v = qkv.split([nh * d, nkv * d, nkv * d], dim=-1)
     k, v = k.view(n, nkv, d), v.view(n, nkv, d)                                    # strided views
-    slots = torch.randperm(num_blocks * page, generator=r.gen)[:n].to(device)
+    slots = torch.randperm(num_blocks * page, generator=r.gen)[:n]
+    at = r.int(0, n - 1)                              # slot 0 (block 0, row 0) is a real slot: always written
+    slots[slots == 0] = slots[at]
+    slots[at] = 0
     if pad:
-        slots[r.int(0, n - 1)] = -1
-    return k, v, slots, num_blocks, page
+        slots[(at + r.int(1, n - 1)) % n] = -1
+    return k, v, slots.to(device), num_blocks, page
 
 
-def _expected_caches(bufs, k, v, slots):
+def _expected_caches(bufs, k, v, slots, skip_zero=False):
     """e04's torch store (index assignment, exact on any device) into copies of the guarded buffers."""
     exp = [b.clone() for b in bufs]
-    keep = slots >= 0
+    keep = slots > 0 if skip_zero else slots >= 0
     for e, src in zip(exp, (k, v)):
         e[1:-1].reshape(-1, *e.shape[2:])[slots[keep].long()] = src[keep]
     return exp
@@ -64,8 +75,11 @@ def test_store_kvcache_slots():
         bufs, (kc, vc) = _guarded_caches(nb, page, k.shape[1], k.shape[2])
         exp = _expected_caches(bufs, k, v, slots)
         m.store_kvcache(k.contiguous(), v.contiguous(), kc, vc, slots.to(slot_dtype))
-        assert_equal(bufs[0], exp[0], what=f"k_cache（slot_mapping {slot_dtype}）", rand=r)
-        assert_equal(bufs[1], exp[1], what=f"v_cache（slot_mapping {slot_dtype}）", rand=r)
+        no_zero = _expected_caches(bufs, k, v, slots, skip_zero=True)
+        assert_equal(bufs[0], exp[0], what=f"k_cache（slot_mapping {slot_dtype}）", rand=r,
+                     looks_like=[(no_zero[0], M_SLOT_ZERO)])
+        assert_equal(bufs[1], exp[1], what=f"v_cache（slot_mapping {slot_dtype}）", rand=r,
+                     looks_like=[(no_zero[1], M_SLOT_ZERO)])
 
 
 @point("slot = −1 的填充行不写")
@@ -76,11 +90,16 @@ def test_store_kvcache_skips_padding():
     bufs, (kc, vc) = _guarded_caches(nb, page, k.shape[1], k.shape[2])
     exp = _expected_caches(bufs, k, v, slots)
     m.store_kvcache(k.contiguous(), v.contiguous(), kc, vc, slots)
-    for got, want, name in zip(to_cpu(*bufs), to_cpu(*exp), ("k_cache", "v_cache")):
+    no_zero = _expected_caches(bufs, k, v, slots, skip_zero=True)
+    for got, want, skipped, name in zip(to_cpu(*bufs), to_cpu(*exp), to_cpu(*no_zero), ("k_cache", "v_cache")):
         if not torch.equal(got, want):
             outside = not torch.equal(got[0], want[0]) or not torch.equal(got[-1], want[-1])
-            where = "cache 之外（前后的保护块）被改写了" if outside else "cache 内有槽位与参考不同"
-            raise AssertionError(f"{name}：slot_mapping 含 −1 时 {where}；{r}\n  看起来像易错点：{M_SLOT_NEG}")
+            if outside:                               # slot -1 taken literally lands in the block before the cache
+                raise AssertionError(f"{name}：slot_mapping 含 −1 时 cache 之外（前后的保护块）被改写了；{r}\n"
+                                     f"  看起来像易错点：{M_SLOT_NEG}")
+            hint = f"\n  看起来像易错点：{M_SLOT_ZERO}" if torch.equal(got, skipped) else ""
+            raise AssertionError(f"{name}：slot_mapping 含 −1 时 cache 内有槽位与参考不同"
+                                 f"（slots = {slots.tolist()}）；{r}{hint}")
 
 
 @point("store_kvcache 处理 qkv 切出的非连续 k/v")
@@ -94,7 +113,11 @@ def test_store_kvcache_strided_views():
     m.store_kvcache(k, v, kc, vc, slots)
     for got, want, name in zip(to_cpu(*bufs), to_cpu(*exp), ("k_cache", "v_cache")):
         if not torch.equal(got, want):
-            raise AssertionError(f"{name}：k/v 是 qkv 的非连续 view 时写入的内容不对；{r}\n  看起来像易错点：{M_STRIDE}")
+            copies, (kc2, vc2) = _guarded_caches(nb, page, k.shape[1], k.shape[2])
+            m.store_kvcache(k.contiguous(), v.contiguous(), kc2, vc2, slots)
+            hint = (f"\n  看起来像易错点：{M_STRIDE}" if all(torch.equal(a, b) for a, b in zip(to_cpu(*copies), to_cpu(*exp)))
+                    else "（连续的 k/v 也写错了：先看另外两项 store_kvcache 检查）")
+            raise AssertionError(f"{name}：k/v 是 qkv 的非连续 view 时写入的内容不对；{r}{hint}")
 
 
 def _m01_fused(x, residual, w, eps, gemma):
@@ -106,9 +129,15 @@ def _m01_fused(x, residual, w, eps, gemma):
     return norm(s, w, eps), s
 
 
-def _call(m, x, residual, w, eps, gemma):
-    """add_rms_norm on DEVICE; the outputs back on the CPU."""
-    out = m.add_rms_norm(*to_dev(x, residual, w), eps, gemma=gemma)
+def _call(m, x, residual, w, eps, gemma, guard=False):
+    """add_rms_norm on DEVICE; the outputs back on the CPU. guard: its outputs get NaN tails (a store past the
+    end of an output fails with M_ROW_MASK)."""
+    alloc = GuardedAlloc() if guard else contextlib.nullcontext()
+    with alloc:
+        out = m.add_rms_norm(*to_dev(x, residual, w), eps, gemma=gemma)
+    if guard and alloc.overran():
+        raise AssertionError(f"add_rms_norm（x {list(x.shape)}）写到了输出张量的末尾之外（输出后面的哨兵 NaN 被改写）\n"
+                             f"  看起来像易错点：{M_ROW_MASK}")
     if residual is None:
         assert isinstance(out, torch.Tensor), f"residual=None 时应返回一个张量，得到 {type(out).__name__}"
         return to_cpu(out), None
@@ -116,24 +145,71 @@ def _call(m, x, residual, w, eps, gemma):
     return to_cpu(*out)
 
 
-@point("add_rms_norm 的残差协议与 m01 一致（任意前导维度）")
+def _norm_variant(s, w, eps, gemma, *, eps_outside=False, denom=None):
+    """m01's norm of the sum s with one mistake: eps added to the root (h / (sqrt(mean) + eps)), or the sum of
+    squares divided by `denom` (BLOCK_H) instead of H."""
+    h = s.float()
+    mean = h.pow(2).sum(-1, keepdim=True) / (denom or h.shape[-1])
+    n = h / (mean.sqrt() + eps) if eps_outside else h * torch.rsqrt(mean + eps)
+    return (n * (1 + w.float())).to(s.dtype) if gemma else w * n.to(s.dtype)
+
+
+def _rms_inputs(r: Rand, shape, hidden: int, sliced: bool):
+    """x, residual, w, and the row whose x and residual have a tiny norm (|x| ~ 1e-4: eps decides its scale).
+    sliced: x is a column slice of a wider tensor (x.stride(-2) > H)."""
+    x, res, w = r.randn(*shape), r.randn(*shape), r.randn(hidden, scale=0.5)
+    tiny = r.int(0, x.numel() // hidden - 1)
+    x.view(-1, hidden)[tiny] *= 1e-4
+    res.view(-1, hidden)[tiny] *= 1e-4
+    if sliced:
+        off = r.int(1, 8)
+        wide = r.randn(*shape[:-1], hidden + off + r.int(1, 8))
+        wide[..., off:off + hidden] = x
+        x = wide[..., off:off + hidden]
+    return x, res, w, tiny
+
+
+@point("add_rms_norm 的残差协议与 m01 一致（任意前导维度、奇数行数、列切片输入、范数很小的行）")
 def test_add_rms_norm_protocol_fp32():
     m = impl(MODULE)
     r = Rand()
     for gemma in (False, True):
         hidden = r.choice([48, 96, 100, 128] if gemma else [48, 96, 100])      # at least one H not a power of 2
-        shape = r.choice([(r.int(1, 9), hidden), (r.int(1, 4), r.int(1, 4), hidden)])
-        x, res, w = r.randn(*shape), r.randn(*shape), r.randn(hidden, scale=0.5)
-        for residual in (None, res):
-            out, s = _call(m, x, residual, w, 1e-6, gemma)
-            ref, ref_s = _m01_fused(x, residual, w, 1e-6, gemma)
-            wrong_mean = ref * (triton_block(hidden) / hidden) ** 0.5
-            wrong_w = _m01_fused(x, residual, w, 1e-6, False)[0] if gemma else None
-            name = "gemma=True" if gemma else "gemma=False"
-            assert_close(out, ref, what=f"add_rms_norm（{name}，x {list(shape)}）", rand=r,
-                         looks_like=[(wrong_mean, M_BLOCK_MEAN), (wrong_w, M_GEMMA_W)])
-            if s is not None:
-                assert_close(s, ref_s, what="返回的 residual", rand=r, looks_like=[(res, M_RES_OUT)])
+        # odd row counts (never a multiple of a power-of-2 ROWS), one above 64; the 2-D x is a column slice
+        for shape, sliced in (((2 * r.int(33, 48) + 1, hidden), True), ((3, 2 * r.int(2, 6) + 1, hidden), False)):
+            x, res, w, tiny = _rms_inputs(r, shape, hidden, sliced)
+            for residual in (None, res):
+                out, s = _call(m, x, residual, w, 1e-6, gemma, guard=True)
+                ref, ref_s = _m01_fused(x, residual, w, 1e-6, gemma)
+                name = (f"add_rms_norm（gemma={gemma}，x {list(shape)}"
+                        f"{'，x 是宽张量的列切片，行步长 ' + str(x.stride(0)) if sliced else ''}，"
+                        f"{'residual=None' if residual is None else '有 residual'}）")
+                if isinstance(out, torch.Tensor) and out.shape != ref.shape and out.numel() == ref.numel():
+                    raise AssertionError(f"{name}：形状应为 {list(ref.shape)}，得到 {list(out.shape)}；{r}\n"
+                                         f"  看起来像易错点：{M_SHAPE}")
+                _explain_unwritten(out, ref, name, r)
+                summed = x + residual if residual is not None else x
+                looks = [(_norm_variant(summed, w, 1e-6, gemma, denom=triton_block(hidden)), M_BLOCK_MEAN),
+                         (_m01_fused(x, residual, w, 1e-6, False)[0] if gemma else None, M_GEMMA_W),
+                         (_norm_variant(summed, w, 1e-6, gemma, eps_outside=True),
+                          M_EPS_OUT + f"（第 {tiny} 行的范数约 1e-4）")]
+                if sliced:                                # read with row stride H: rows of the wide tensor, shifted
+                    packed = x.as_strided(x.shape, (hidden, 1))
+                    looks.append((_m01_fused(packed, residual, w, 1e-6, gemma)[0], M_X_STRIDE))
+                assert_close(out, ref, what=name, rand=r, looks_like=looks)
+                if s is not None:
+                    assert_close(s, ref_s, what=f"{name} 返回的 residual", rand=r, looks_like=[(res, M_RES_OUT)])
+
+
+def _explain_unwritten(out, ref, what: str, r: Rand) -> None:
+    """Rows the kernel never stored hold what the allocation held (NaN under GuardedAlloc): name the grid."""
+    if not isinstance(out, torch.Tensor) or out.shape != ref.shape:
+        return
+    rows = torch.isnan(out.reshape(-1, out.shape[-1])).all(-1)
+    if bool(rows.any()) and not bool(torch.isnan(ref).any()):
+        first = int(rows.nonzero()[0])
+        hint = f"\n  看起来像易错点：{M_GRID_DOWN}" if bool(rows[first:].all()) else ""
+        raise AssertionError(f"{what}：输出的第 {first} 行起有 {int(rows.sum())} 行（共 {rows.numel()} 行）从未被写入；{r}{hint}")
 
 
 def triton_block(hidden: int) -> int:
@@ -165,11 +241,16 @@ def test_cast_order_fp16():
             sf = x.float() + res.float()                                          # the sum, never rounded
             n = sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + 1e-6)
             unrounded = ((n * (1 + ww.float())).half() if gemma else ww * n.half())
-            msg = f"add_rms_norm fp16（gemma={gemma}）只有 {hit:.1%} 的元素与 m01 逐位相同（应 ≥ 98%）；{r}"
+            ulps = int((out.view(torch.int16).int() - ref.view(torch.int16).int()).abs().max())
+            msg = (f"add_rms_norm fp16（gemma={gemma}）只有 {hit:.1%} 的元素与 m01 逐位相同（应 ≥ 98%），"
+                   f"最多相差 {ulps} 个 fp16 ulp；{r}")
             if _ulp_match(out, other) >= 0.98:
                 msg += f"\n  看起来像易错点：{M_CAST_ORDER}"
             elif _ulp_match(out, unrounded) >= 0.98:
                 msg += f"\n  看起来像易错点：{M_SUM_UNROUNDED}"
+            else:                                         # none of the known orders: say what was compared
+                msg += ("\n  与两种 cast 顺序、未舍入的和都对不上；cast 顺序的差别最多 1 个 ulp，"
+                        "差得更多时先看统计量是否在 fp32 里算（下一项检查）")
             raise AssertionError(msg)
         assert_close(out, ref, what=f"add_rms_norm fp16（gemma={gemma}）", rand=r, atol=1e-2, rtol=1e-2)
 

@@ -10,10 +10,11 @@ checks also run them natively in bf16 at serving shapes (skipped, never passed, 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
-from checks.kit import Rand, assert_close, impl, needs_cuda, point, to_cpu, to_dev
+from checks.kit import GuardedAlloc, Rand, assert_close, impl, needs_cuda, point, to_cpu, to_dev
 
 MODULE = "k02_paged_attention"
 torch.set_num_threads(1)
@@ -21,7 +22,9 @@ torch.set_num_threads(1)
 M_TOP_LEFT = "有缓存前缀时 causal mask 左上对齐（j ≤ i）：应右下对齐，query i 看得到 key j ≤ (Lk − Lq) + i"
 M_GQA = "GQA 头映射写成 h % nKV（平铺）：query head h 应读 kv head h // (nH / nKV)"
 M_NO_RESCALE = "running max 变大后没有用 alpha = exp(m_old − m_new) 重新缩放 acc 和 l"
-M_REDUCE_WEIGHT = "reduce 时没有按 exp(lse_s − max lse) 给各 split 加权（直接平均了各 split 的输出）"
+M_REDUCE_WEIGHT = "reduce 时没有按 2^(lse_s − max lse) 给各 split 加权（直接平均了各 split 的输出）"
+M_MIXED_LSE = ("lse 混用了对数的底：m 是 log₂ 单位（分数乘过 log₂e），lse 应为 m + log₂(l)，权重 2^(lse − max lse)；"
+               "写成 m + ln(l)（或权重用 exp）时各 split 的权重不对")
 M_TAIL_MASK = "最后一个不满的 key tile 没有 mask：越过长度的 key（k = 0，分数 0）也进了 softmax"
 M_LAST_KEY = "漏掉了最后一个 key（长度差一：context_lens 已包含当前 token）"
 M_FP16 = "分数在 fp16 里累加（tl.dot 的 out_dtype / 结果转成了 q.dtype）：|q·k| > 65504 时溢出成 inf"
@@ -100,13 +103,13 @@ def test_prefill_cached_prefix_gqa():
     m = impl(MODULE)
     r = Rand()
     nkv = 2
-    nh, d, page = nkv * r.choice([2, 3]), r.choice([16, 32]), r.choice([16, 32])
+    nh, d, page = nkv * r.choice([2, 3]), r.choice([24, 40]), r.choice([16, 32])     # D not a power of 2
     lens_k = [r.int(20, 100) for _ in range(2)]
     lens_q = [r.int(2, lk - 5) for lk in lens_k]
     q, kc, vc, bt, cu_q, cu_k, keys, values = paged_problem(r, lens_q, lens_k, nh, nkv, d, page)
     scale = d ** -0.5
-    out = m.prefill_attention(*to_dev(q, kc, vc, cu_q, cu_k, bt), max(lens_q), scale)
-    assert_close(out, reference(q, keys, values, cu_q, cu_k, scale), what="带前缀的 prefill_attention",
+    out = _guarded(lambda: m.prefill_attention(*to_dev(q, kc, vc, cu_q, cu_k, bt), max(lens_q), scale), d, r)
+    assert_close(out, reference(q, keys, values, cu_q, cu_k, scale), what=f"带前缀的 prefill_attention（D={d}）",
                  rand=r, atol=1e-5, rtol=1e-4,
                  looks_like=[(reference(q, keys, values, cu_q, cu_k, scale, top_left=True), M_TOP_LEFT),
                              (reference(q, keys, values, cu_q, cu_k, scale, gqa_tiled=True), M_GQA)])
@@ -125,6 +128,17 @@ def test_flash_attention_varlen_unpaged():
     assert_close(out, reference(q, keys, values, cu_q, cu_k, scale), what="flash_attention_varlen", rand=r,
                  atol=1e-5, rtol=1e-4,
                  looks_like=[(reference(q, keys, values, cu_q, cu_k, scale, top_left=True), M_TOP_LEFT)])
+
+
+def _guarded(call, d: int, r: Rand):
+    """Run call() with every output it allocates followed by NaN; a store past the end of one fails here
+    (instead of corrupting memory and killing the check process)."""
+    with GuardedAlloc() as alloc:
+        out = call()
+    if alloc.overran():
+        raise AssertionError(f"kernel 写到了它分配的输出的末尾之外（D = {d} 不是 2 的幂）：store 的 mask 要同时限制行"
+                             f"（i < Lq）和列（d < D：BLOCK_D 补齐出来的列不属于这个头）；{r}")
+    return out
 
 
 def _ramp_problem(r: Rand, rising: bool):
@@ -188,6 +202,39 @@ def test_fp16_score_accumulator():
 
 # ------------------------------------------------------------------------------------------------ decode
 
+def _split_variants(q, keys, values, cu_k, scale, splits: int, block_n: int = 64) -> dict:
+    """Split-K decode in torch with the card's partition (part = ceil(ceil(Lk / S) / BLOCK_N) * BLOCK_N), combined in
+    the classic wrong ways: {"average", "mixed_lse", "exp_weights"} -> o [B, nH, D]."""
+    nh, nkv = q.shape[1], keys.shape[1]
+    log2e = 1.4426950408889634
+    out = {name: torch.zeros_like(q) for name in ("average", "mixed_lse", "exp_weights")}
+    for b in range(q.shape[0]):
+        k0, k1 = int(cu_k[b]), int(cu_k[b + 1])
+        lk = k1 - k0
+        kb = keys[k0:k1].repeat_interleave(nh // nkv, 1)                       # [Lk, nH, D]
+        vb = values[k0:k1].repeat_interleave(nh // nkv, 1)
+        s2 = torch.einsum("hd,jhd->hj", q[b].double(), kb.double()) * scale * log2e   # scores in log2 units
+        part = -(-(-(-lk // splits)) // block_n) * block_n
+        o_s, lse2, lse_mixed = [], [], []
+        for start in range(0, lk, part):
+            seg = slice(start, min(start + part, lk))
+            m2 = s2[:, seg].max(-1).values                                      # [nH]
+            p = torch.exp2(s2[:, seg] - m2[:, None])
+            l = p.sum(-1)
+            o_s.append(torch.einsum("hj,jhd->hd", p, vb[seg].double()) / l[:, None])
+            lse2.append(m2 + torch.log2(l))
+            lse_mixed.append(m2 + torch.log(l))                                # m in log2 units, log of l natural
+        o_s, lse2, lse_mixed = torch.stack(o_s), torch.stack(lse2), torch.stack(lse_mixed)    # [S_live, nH, ...]
+
+        def combine(lse, base):
+            w = base ** (lse - lse.max(0).values)
+            return ((w[..., None] * o_s).sum(0) / w.sum(0)[:, None]).to(q.dtype)
+        out["average"][b] = o_s.mean(0).to(q.dtype)
+        out["mixed_lse"][b] = combine(lse_mixed, 2.0)
+        out["exp_weights"][b] = combine(lse2, math.e)
+    return out
+
+
 def _decode_case(r: Rand, lens, nh, nkv, d, page, **kw):
     q, kc, vc, bt, cu_q, cu_k, keys, values = paged_problem(r, [1] * len(lens), lens, nh, nkv, d, page, **kw)
     return q, kc, vc, bt, torch.tensor(lens).int(), cu_q, cu_k, keys, values
@@ -199,42 +246,57 @@ def test_decode_splits():
     r = Rand()
     nkv = r.choice([1, 2])
     nh, d, page = nkv * r.choice([1, 2, 4]), r.choice([16, 32]), r.choice([16, 32])
-    lens = _decode_lens(r, r.int(2, 4), 40, 300)
+    lens = _decode_lens(r, r.int(1, 3), 40, 300) + [r.int(200, 300)]      # one sequence always spans >= 2 splits
     q, kc, vc, bt, ctx, cu_q, cu_k, keys, values = _decode_case(r, lens, nh, nkv, d, page)
     scale = d ** -0.5
     ref = reference(q, keys, values, cu_q, cu_k, scale)
     one = m.decode_attention(*to_dev(q, kc, vc, bt, ctx), scale, 1)
-    assert_close(one, ref, what="decode_attention（num_splits=1）", rand=r, atol=1e-5, rtol=1e-4)
+    assert_close(one, ref, what=f"decode_attention（num_splits=1，长度 {lens}）", rand=r, atol=1e-5, rtol=1e-4,
+                 looks_like=[(_unmasked_tail(q, keys, values, cu_q, cu_k, scale, 1), M_TAIL_MASK)])
     for splits in (2, 5, 16):
         out = to_cpu(m.decode_attention(*to_dev(q, kc, vc, bt, ctx), scale, splits))
         if not torch.allclose(out, ref, atol=1e-5, rtol=1e-4):
-            assert_close(out, ref, what=f"decode_attention（num_splits={splits}）", rand=r, atol=1e-5, rtol=1e-4,
-                         looks_like=[(out, M_REDUCE_WEIGHT + "（num_splits=1 正确，>1 出错）")])
+            wrong = _split_variants(q, keys, values, cu_k, scale, splits)
+            assert_close(out, ref, what=f"decode_attention（num_splits={splits}，长度 {lens}；num_splits=1 正确）",
+                         rand=r, atol=1e-5, rtol=1e-4,
+                         looks_like=[(wrong["average"], M_REDUCE_WEIGHT), (wrong["mixed_lse"], M_MIXED_LSE),
+                                     (wrong["exp_weights"], M_MIXED_LSE)])
 
 
 @point("decode：任意长度（不是 tile / 块的整数倍）与 GQA 成组")
 def test_decode_tail_and_gqa():
     m = impl(MODULE)
     r = Rand()
-    nkv, d, page = 2, 32, r.choice([16, 32])
+    nkv, d, page = 2, r.choice([24, 40]), r.choice([16, 32])                      # D not a power of 2
     nh = nkv * r.choice([2, 4])
     scale = d ** -0.5
-    whole = [128 * r.int(1, 2) for _ in range(2)]
-    q, kc, vc, bt, ctx, cu_q, cu_k, keys, values = _decode_case(r, whole, nh, nkv, d, page)
-    out_whole = to_cpu(m.decode_attention(*to_dev(q, kc, vc, bt, ctx), scale, 1))
-    whole_ok = torch.allclose(out_whole, reference(q, keys, values, cu_q, cu_k, scale), atol=1e-5, rtol=1e-4)
     lens = [r.int(2, 15), r.int(17, 127), r.int(129, 200)]        # >= 2 keys: dropping the last leaves one
     q, kc, vc, bt, ctx, cu_q, cu_k, keys, values = _decode_case(r, lens, nh, nkv, d, page)
-    out = to_cpu(m.decode_attention(*to_dev(q, kc, vc, bt, ctx), scale, 3))
+    out = to_cpu(_guarded(lambda: m.decode_attention(*to_dev(q, kc, vc, bt, ctx), scale, 3), d, r))
     ref = reference(q, keys, values, cu_q, cu_k, scale)
     short = reference(q, torch.cat([keys[int(cu_k[b]):int(cu_k[b + 1]) - 1] for b in range(3)]),
                       torch.cat([values[int(cu_k[b]):int(cu_k[b + 1]) - 1] for b in range(3)]),
                       cu_q, cu_k - torch.arange(4).int(), scale)
-    hints = [(reference(q, keys, values, cu_q, cu_k, scale, gqa_tiled=True), M_GQA), (short, M_LAST_KEY)]
-    if whole_ok and not torch.allclose(out, ref, atol=1e-5, rtol=1e-4):
-        hints.append((out, M_TAIL_MASK + "（长度是 128 的整数倍时正确）"))
-    assert_close(out, ref, what=f"decode_attention（长度 {lens}，P={page}）", rand=r, atol=1e-5, rtol=1e-4,
+    hints = [(reference(q, keys, values, cu_q, cu_k, scale, gqa_tiled=True), M_GQA), (short, M_LAST_KEY),
+             (_unmasked_tail(q, keys, values, cu_q, cu_k, scale, 3), M_TAIL_MASK)]
+    assert_close(out, ref, what=f"decode_attention（长度 {lens}，P={page}，D={d}）", rand=r, atol=1e-5, rtol=1e-4,
                  looks_like=hints)
+
+
+def _unmasked_tail(q, keys, values, cu_q, cu_k, scale, splits: int, block_n: int = 64):
+    """m04 with the keys the last tile of each sequence reads past its length (k = v = 0, score 0) kept in."""
+    ks, vs, lens = [], [], []
+    for b in range(len(cu_k) - 1):
+        k0, k1 = int(cu_k[b]), int(cu_k[b + 1])
+        lk = k1 - k0
+        part = -(-(-(-lk // splits)) // block_n) * block_n
+        last = (lk - 1) // part * part                                          # first key of the last live split
+        extra = -(lk - last) % block_n
+        ks += [keys[k0:k1], keys.new_zeros(extra, *keys.shape[1:])]
+        vs += [values[k0:k1], values.new_zeros(extra, *values.shape[1:])]
+        lens.append(lk + extra)
+    cu = torch.tensor([0] + lens).cumsum(0).int()
+    return reference(q, torch.cat(ks), torch.cat(vs), cu_q, cu, scale)
 
 
 @point("decode：context_lens = 0 的填充行不出错，其余行不受影响")
@@ -268,16 +330,22 @@ def test_card_example():
     if not torch.allclose(out[:, 0, 0], torch.tensor([1.5, 2.0])):
         hint = f"\n  看起来像易错点：{M_TOP_LEFT}" if torch.allclose(out[:, 0, 0], torch.tensor([0.0, 0.5])) else ""
         raise AssertionError(f"Lq = 2、Lk = 5：两个 query 应得 [1.5, 2.0]（平均 key 0..3 与 0..4），得到 {got}{hint}")
-    # decode: scores [0, 0, ln 2, ln 2], values [6, 0, 3, 0] -> o = 2
-    kc = torch.zeros(1, 16, 1, d)
-    vc = torch.zeros(1, 16, 1, d)
-    kc[0, 2:4, 0, 0] = torch.log(torch.tensor(2.0))
-    vc[0, :4, 0, 0] = torch.tensor([6.0, 0.0, 3.0, 0.0])
+    # decode: 128 keys, two splits of 64 (BLOCK_N = 64): scores 0 | ln 2, values 6, 0, 6, 0, ... | 3, 0, 3, 0, ...
+    kc = torch.zeros(8, 16, 1, d)
+    vc = torch.zeros(8, 16, 1, d)
+    kc.view(128, d)[64:, 0] = math.log(2.0)
+    vc.view(128, d)[:64:2, 0] = 6.0
+    vc.view(128, d)[64::2, 0] = 3.0
     q = torch.zeros(1, 1, d)
     q[0, 0, 0] = 1.0
+    bt = torch.arange(8, dtype=torch.int32)[None]
     for splits in (1, 2):
-        o = to_cpu(m.decode_attention(*to_dev(q, kc, vc, bt, torch.tensor([4]).int()), 1.0, splits))
-        assert abs(float(o[0, 0, 0]) - 2.0) < 1e-5, f"num_splits={splits}：o 应为 2.0，得到 {float(o[0, 0, 0]):.6g}"
+        o = float(to_cpu(m.decode_attention(*to_dev(q, kc, vc, bt, torch.tensor([128]).int()), 1.0, splits))[0, 0, 0])
+        if abs(o - 2.0) >= 1e-5:
+            hint = f"\n  看起来像易错点：{M_REDUCE_WEIGHT}" if splits == 2 and abs(o - 2.25) < 1e-5 else ""
+            why = ("（两个 split 各 64 个 key：o₀ = 3、lse₀ = 6，o₁ = 1.5、lse₁ = 7，权重 [0.5, 1]）" if splits == 2
+                   else "（e^s 是 64 个 1 和 64 个 2：o = 384 / 192）")
+            raise AssertionError(f"128 个 key、num_splits={splits}：o 应为 2.0{why}，得到 {o:.6g}{hint}")
 
 
 def _ctx_to_dev(ctx):

@@ -8,6 +8,8 @@ DEVICE. With CUDA the real-shape bf16 check runs too (without CUDA it is reporte
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,7 +17,7 @@ from transformers import Qwen3_5MoeTextConfig
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
 
 from checks import oracles
-from checks.kit import DEVICE, Rand, assert_close, assert_dtype, assert_equal, explain_crash, impl, point
+from checks.kit import DEVICE, Rand, assert_close, assert_dtype, assert_equal, close, explain_crash, impl, point
 
 MODULE = "k03_fused_moe"
 CRASHES = {
@@ -187,12 +189,16 @@ def test_align_random():
             sorted_ids, expert_ids, num_post = m.moe_align_block_size(ids.to(DEVICE), experts, block_m)
         ref_sorted, ref_experts, _ = _flat_reference(ids, experts, block_m)
         num_pairs, used = n_tok * k, len(ref_sorted)
-        bound = num_pairs + min(experts, num_pairs) * (block_m - 1)
+        bound = num_pairs + min(experts, num_pairs) * (block_m - 1)          # the most any routing can need
+        allowed = -(-(num_pairs + experts * (block_m - 1)) // block_m) * block_m   # the card's interface limit
         where = f"（E={experts}，N={n_tok}，k={k}，BLOCK_M={block_m}）"
         assert_equal(num_post.reshape(-1).cpu().long(), torch.tensor([used]), what=f"num_tokens_post_padded{where}", rand=r)
-        if sorted_ids.numel() < bound or sorted_ids.numel() > bound + block_m:
-            raise AssertionError(f"sorted_ids 的长度应为上界 M + min(E, M)·(BLOCK_M-1) = {bound}（可向上取整到 BLOCK_M），"
-                                 f"得到 {sorted_ids.numel()}{where}；{r}")
+        if sorted_ids.numel() < bound // block_m * block_m or sorted_ids.numel() > allowed:
+            raise AssertionError(f"sorted_ids 的长度应在 M + min(E, M)·(BLOCK_M−1) = {bound}（任何路由最多需要这么多）"
+                                 f"与 M + E·(BLOCK_M−1) 向上取整到 BLOCK_M = {allowed} 之间，得到 {sorted_ids.numel()}{where}；{r}")
+        if expert_ids.numel() * block_m < sorted_ids.numel():
+            raise AssertionError(f"expert_ids 应覆盖 sorted_ids 的每个 block（{sorted_ids.numel()} / {block_m} 个），"
+                                 f"得到 {expert_ids.numel()} 个{where}；{r}")
         assert_equal(sorted_ids[:used].cpu().long(), ref_sorted, what=f"sorted_ids 的前 num_tokens_post_padded 项{where}", rand=r,
                      looks_like=[(torch.where(ref_sorted == num_pairs, 0, ref_sorted), "pad 条目用 0 填充：pad 的 id 应为 N·k")])
         tail = sorted_ids[used:].cpu()
@@ -259,6 +265,91 @@ def test_fused_experts_edge_cases():
                      looks_like=_looks_like(x, w_gate, w_up, w_down, weights, ids))
 
 
+M_K_TAIL = ("K 维的尾部没有 mask 对：H 或 I 大于 BLOCK_K 且不是它的整数倍时，最后一次循环只剩 K − k0 列"
+            "（mask 是 offs_k < K − k0，或者每次循环都用 k0 + offs_k < K），多读的列属于下一行")
+M_PAST_POST = ("pid_m·BLOCK_M ≥ num_tokens_post_padded 的 block 没有直接 return：那之后的 sorted_ids / expert_ids "
+               "不保证是 pad（接口只约定前 num_post 项），读了就会按错的 expert 重算、覆盖真实 pair 的行")
+
+
+@point("H、I 大于 BLOCK_K 且不是它的整数倍（K 尾部 mask）时 fused_experts 与 m03 一致")
+def test_k_tail():
+    m = impl(MODULE)
+    _guard()
+    r = Rand()
+    experts, k, n_tok = r.int(4, 6), 2, r.int(3, 7)                  # <= 12 pairs per expert: BLOCK_M 16, BLOCK_K 128
+    hidden, inter = 128 + r.choice([8, 24, 40]), 128 + r.choice([16, 56])
+    w_gate, w_up = r.randn(experts, inter, hidden, scale=0.1), r.randn(experts, inter, hidden, scale=0.1)
+    w_down = r.randn(experts, hidden, inter, scale=0.1)
+    x = r.randn(n_tok, hidden)
+    ids = torch.stack([torch.randperm(experts, generator=r.gen)[:k] for _ in range(n_tok)])
+    weights = torch.softmax(r.randn(n_tok, k), -1)
+    ref = (_pair_outputs(x, w_gate, w_up, w_down, ids)[0] * weights[..., None]).sum(1)
+    with explain_crash(CRASHES):
+        out = m.fused_experts(*(t.to(DEVICE) for t in (x, w_gate, w_up, w_down, weights, ids))).cpu()
+    if close(out, ref, 1e-4, 1e-4):
+        return
+    # the same problem zero-padded to H = I = 256 (a whole number of tiles) has the same answer
+    pad = lambda t, *size: F.pad(t, [0, size[-1] - t.shape[-1], 0, size[-2] - t.shape[-2]] if len(size) > 1  # noqa: E731
+                                 else [0, size[-1] - t.shape[-1]])
+    with explain_crash(CRASHES):
+        padded = m.fused_experts(*(t.to(DEVICE) for t in (pad(x, 256), pad(w_gate, 256, 256), pad(w_up, 256, 256),
+                                                           pad(w_down, 256, 256), weights, ids))).cpu()[:, :hidden]
+    with _hint_if(close(padded, ref, 1e-4, 1e-4), M_K_TAIL):                 # whole tiles right, the tail wrong
+        assert_close(out, ref, what=f"fused_experts（H={hidden}，I={inter}，BLOCK_K=128：最后一次 K 循环只剩一部分列）",
+                     rand=r, atol=1e-4, rtol=1e-4, looks_like=_looks_like(x, w_gate, w_up, w_down, weights, ids))
+
+
+@contextlib.contextmanager
+def _hint_if(evidence: bool, mistake: str):
+    """A failure inside names `mistake` when `evidence` singles it out (and no other hint was given)."""
+    try:
+        yield
+    except AssertionError as exc:
+        if evidence and "易错点" not in str(exc):
+            raise AssertionError(f"{exc}\n  看起来像易错点：{mistake}") from None
+        raise
+
+
+@point("num_tokens_post_padded 之后的 block 直接返回（不读那里的 sorted_ids / expert_ids）")
+def test_blocks_past_num_post():
+    m = impl(MODULE)
+    _guard()
+    r = Rand()
+    hidden, inter, experts, k, block_m = 16, 24, r.int(4, 6), 2, 16
+    n_tok = r.int(3, 9)
+    ids = torch.stack([torch.randperm(experts, generator=r.gen)[:k] for _ in range(n_tok)])
+    num_pairs = n_tok * k
+    ref_sorted, ref_experts, _ = _flat_reference(ids, experts, block_m)
+    used = len(ref_sorted)
+    size = -(-(num_pairs + experts * (block_m - 1)) // block_m) * block_m     # the longest the card allows
+    x = r.randn(n_tok, hidden)
+    # one spare expert in front of the weights: a block whose expert id is -1 reads it instead of foreign memory
+    w_gate = r.randn(experts + 1, inter, hidden, scale=0.3)
+    w_up = r.randn(experts + 1, inter, hidden, scale=0.3)
+    w_down = r.randn(experts + 1, hidden, inter, scale=0.3)
+    wts = torch.rand(num_pairs, generator=r.gen)
+    per_pair = _pair_outputs(x, w_gate[1:], w_up[1:], w_down[1:], ids)[0]
+    want = (per_pair * wts.view(n_tok, k, 1)).reshape(num_pairs, hidden)
+    tails = {"pad": (torch.full((size - used,), num_pairs), torch.full((size // block_m - len(ref_experts),), -1)),
+             "garbage": (torch.randint(0, num_pairs, (size - used,), generator=r.gen),
+                         torch.randint(0, experts, (size // block_m - len(ref_experts),), generator=r.gen))}
+    got = {}
+    for name, (sorted_tail, expert_tail) in tails.items():
+        sorted_ids = torch.cat([ref_sorted, sorted_tail]).int().to(DEVICE)
+        expert_ids = torch.cat([ref_experts, expert_tail]).int().to(DEVICE)
+        num_post = torch.tensor([used], dtype=torch.int32, device=DEVICE)
+        h = torch.zeros(num_pairs, inter, device=DEVICE)
+        y = torch.zeros(num_pairs, hidden, device=DEVICE)
+        with explain_crash(CRASHES):
+            m.gate_up_silu(x.to(DEVICE), w_gate.to(DEVICE)[1:], w_up.to(DEVICE)[1:], sorted_ids, expert_ids, num_post,
+                           k, block_m, h)
+            m.down_weighted(h, w_down.to(DEVICE)[1:], wts.to(DEVICE), sorted_ids, expert_ids, num_post, block_m, y)
+        got[name] = y.cpu()
+    with _hint_if(close(got["pad"], want, 1e-4, 1e-4), M_PAST_POST):        # right when the tail is pad, wrong here
+        assert_close(got["garbage"], want, what=f"gate_up_silu + down_weighted（sorted_ids 长 {size}，num_post = {used}，"
+                     "之后是任意的 pair id 与 expert id）", rand=r, atol=1e-4, rtol=1e-4)
+
+
 @point("gate/up 是 gate_up_proj [E, 2I, H] 的两半（strided view）时也正确")
 def test_strided_gate_up_views():
     m = impl(MODULE)
@@ -288,8 +379,9 @@ def test_strided_gate_up_views():
 @point("Qwen3-MoE block 与 HF 一致")
 def test_qwen3_moe_block():
     r = Rand()
-    block = oracles.qwen3_moe_block(r, norm_topk_prob=r.choice([True, False]), **_shape(r))
-    _check_block(block, r, "Qwen3MoeSparseMoeBlock")
+    for norm in (True, False):                                     # both every run: a hard-coded flag fails
+        block = oracles.qwen3_moe_block(r, norm_topk_prob=norm, **_shape(r))
+        _check_block(block, r, f"Qwen3MoeSparseMoeBlock（norm_topk_prob={norm}）")
 
 
 @point("thinker MoE 与 HF 一致")

@@ -43,7 +43,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int,
                          block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_ids [N, k] -> (sorted_ids [P] int32, expert_ids [P // block_m] int32, num_tokens_post_padded [1] int32).
 
-    P = M + min(E, M) * (block_m - 1), M = N*k, fixed by the shapes. sorted_ids holds the flat pair ids
+    P = M + min(E, M) * (block_m - 1), M = N*k, fixed by the shapes (any P up to M + E * (block_m - 1), rounded
+    up to block_m, is allowed). sorted_ids holds the flat pair ids
     p (token p // k, slot p % k) grouped by expert in pair order, each expert's run padded with the id M
     up to a multiple of block_m; entries past num_tokens_post_padded are M too and their blocks have
     expert id -1. Computed on the device without a host sync.
@@ -94,14 +95,16 @@ def _tiles(block_m: int, dtype: torch.dtype) -> dict:
 def gate_up_silu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, sorted_ids: torch.Tensor,
                  expert_ids: torch.Tensor, num_post: torch.Tensor, top_k: int, block_m: int,
                  out: torch.Tensor) -> torch.Tensor:
-    """Launch _gate_up_kernel: out [M, I] (row p = pair p) = silu(x Wg^T) * (x Wu^T) per pair; pad rows untouched."""
+    """Launch _gate_up_kernel: out [M, I] (row p = pair p) = silu(x Wg^T) * (x Wu^T) per pair; pad rows untouched.
+    Only the first num_post entries of sorted_ids (and their blocks' expert_ids) are read: the rest may hold anything."""
     raise NotImplementedError("k03: 请实现 gate_up_silu（见 lessons/k03_fused_moe.md）")
 
 
 def down_weighted(h: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, sorted_ids: torch.Tensor,
                   expert_ids: torch.Tensor, num_post: torch.Tensor, block_m: int,
                   out: torch.Tensor) -> torch.Tensor:
-    """Launch _down_kernel: out [M, H] (row p = pair p) = w[p] * (h[p] Wd^T); pad rows untouched."""
+    """Launch _down_kernel: out [M, H] (row p = pair p) = w[p] * (h[p] Wd^T); pad rows untouched.
+    Only the first num_post entries of sorted_ids (and their blocks' expert_ids) are read: the rest may hold anything."""
     raise NotImplementedError("k03: 请实现 down_weighted（见 lessons/k03_fused_moe.md）")
 
 

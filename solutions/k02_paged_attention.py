@@ -21,8 +21,8 @@ the last few tiles are masked, and tiles right of the diagonal are never loaded.
 Decode (flash-decoding): one query per sequence, Lk = context_lens[b] keys split into num_splits
 partitions of part = ceil(Lk / num_splits) keys (rounded up to BLOCK_N). Program (b, kv head g, split s)
 runs the online softmax over its partition for all G = nH / nKV query heads of kv head g together (one
-load of K/V serves G heads) and stores o_s = acc / l and lse_s = m + log(l). The reduce kernel then, per
-(b, h):   w_s = exp(lse_s - max lse);   o = sum_s w_s o_s / sum_s w_s.
+load of K/V serves G heads) and stores o_s = acc / l and lse_s = m + log2(l), both in log2 units (the scores
+carry log2 e). The reduce kernel then, per (b, h):   w_s = exp2(lse_s - max lse);   o = sum_s w_s o_s / sum_s w_s.
 The grid depends only on (B, nKV, num_splits): a CUDA graph can capture it; splits past Lk return early.
 
 Lesson: lessons/k02_paged_attention.md (#15 · 书 §K.2).

@@ -46,4 +46,17 @@ PLANTS = [
     Plant("shared_none_not_skipped", "忘了 w.shared is None 时跳过",
           old="    if w.shared is not None:\n        s = w.shared\n", new="    if True:\n        s = w.shared\n",
           expect="w.shared is None"),
+    Plant("k_tail_mask_gate_up", "K 尾部 mask 没有减去 k0（gate/up：H > BLOCK_K 时第二次循环多读了下一行）",
+          old="            k_ok = offs_k < hidden - k0\n",
+          new="            k_ok = offs_k < hidden\n",
+          expect="K 维的尾部"),
+    Plant("k_tail_mask_down", "K 尾部 mask 没有减去 k0（down：I > BLOCK_K）",
+          old="            k_ok = offs_k < inter - k0\n",
+          new="            k_ok = offs_k < inter\n",
+          expect="K 维的尾部"),
+    Plant("no_return_past_num_post", "num_post 之后的 block 没有直接 return（读了那里的 sorted_ids / expert_ids）",
+          old="    if pid_m * BLOCK_M >= tl.load(num_post_ptr):\n"
+              "        return                                                            # past the last padded block\n",
+          new="",
+          expect="没有直接 return"),
 ]
