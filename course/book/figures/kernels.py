@@ -70,19 +70,19 @@ def split_k_decode() -> Svg:
     for t in range(12):
         seg = t // 4
         s.box(30 + t * 58, 40, 54, 26, f"tile {t}", fill=fills[seg], size=10, mono=True)
-    s.text(380, 82, "每个 tile 是 BLOCK_N 个 key（按 block table 从分页的 KV cache 读）；段长 = ceil(ceil(Lk / num_splits) / BLOCK_N) · BLOCK_N",
+    s.text(380, 82, "分数乘过 log₂e（m 以 2 为底）；tile = BLOCK_N 个 key（经 block table 读分页 KV）；段长 = ceil(ceil(Lk / num_splits) / BLOCK_N) · BLOCK_N",
            size=10, color="#444")
     for seg in range(3):
         x = 30 + seg * 232
         s.rect(x, 94, 226, 120, fill=fills[seg], rx=8)
         s.text(x + 113, 112, f"程序 (b, h, s = {seg})", size=12, weight="bold")
         s.text(x + 10, 132, "逐 tile：m_new = max(m, max s)", size=10, anchor="start", mono=True)
-        s.text(x + 10, 148, "alpha = exp(m − m_new)", size=10, anchor="start", mono=True)
+        s.text(x + 10, 148, "alpha = 2^(m − m_new)", size=10, anchor="start", mono=True)
         s.text(x + 10, 164, "l = l·alpha + Σ p", size=10, anchor="start", mono=True)
         s.text(x + 10, 180, "acc = acc·alpha + p·V", size=10, anchor="start", mono=True)
-        s.box(x + 23, 188, 180, 22, f"写 o_{seg} = acc / l，lse_{seg} = m + log l", fill=C["free"], size=10)
+        s.box(x + 23, 188, 180, 22, f"写 o_{seg} = acc / l，lse_{seg} = m + log₂ l", fill=C["free"], size=10)
         s.arrow(x + 113, 214, 380, 246)
-    s.box(180, 248, 400, 58, "reduce kernel（每个 (b, query 头) 一个程序）\nw_s = exp(lse_s − max lse)\n"
+    s.box(180, 248, 400, 58, "reduce kernel（每个 (b, query 头) 一个程序）\nw_s = 2^(lse_s − max lse)\n"
           "o = Σ w_s · o_s / Σ w_s", fill=C["hot"], size=11)
     s.text(380, 326, "每段只读自己那几个 tile：batch 小、上下文长时也有 B · nKV · num_splits 个程序在读 K/V", size=11)
     s.text(380, 344, "num_splits 是静态整数，grid 只取决于形状，所以 decode 能进 CUDA graph；起点超过 Lk 的段直接返回",
