@@ -1,7 +1,7 @@
 """pytest glue for the exercise checks: installs the `impl` selection, bounds each check in time and
 streams one result per check to the grader.
 
-The grader (course/grade.py) runs a check file in a subprocess with COURSE_EVENTS pointing at a file;
+The grader (course/grader/grade.py) runs a check file in a subprocess with COURSE_EVENTS pointing at a file;
 one JSON line is appended per event, as it happens, so the grader can show progress:
   {"event": "plan", "checks": [{"nodeid", "point"}, ...], "limit": 30}     after collection
   {"event": "start", "nodeid", "point", "limit"}                              a check begins
@@ -27,8 +27,8 @@ if str(ROOT) not in sys.path:
 
 from checks.kit import crash_text  # noqa: E402
 from checks.timeouts import CheckTimeout, HungEarlier, Watchdog  # noqa: E402
-from course import select  # noqa: E402
-from course.grade import CHECK_TIMEOUT_S  # noqa: E402
+from course.grader import select  # noqa: E402
+from course.grader.grade import CHECK_TIMEOUT_S  # noqa: E402
 
 select.install()
 

@@ -254,7 +254,7 @@ def test_streaming():
 @point("文本进出：有 tokenizer 时接受字符串、返回解码后的文本（特殊 token 不进文本）")
 def test_text_in_text_out():
     m, e01, m06 = impl(MODULE), impl("e01_sampling"), impl("m06_models")
-    from course.tiny_tokenizer import byte_tokenizer
+    from course.runtime.tiny_tokenizer import byte_tokenizer
     tok = byte_tokenizer()
     r = Rand()
     config = hf_models.tiny_config("qwen3", r, vocab=len(tok), layers=1)

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from checks.kit import Rand, impl, point
-from course import registry
+from course.grader import registry
 
 MODULE = "e06_serving"
 MISSING = registry.get("e06").missing_packages
@@ -29,11 +29,11 @@ pytestmark = [pytest.mark.timeout(120),
 
 def _e05_llm(family: str = "qwen3", **kwargs):
     """The dummy Qwen3 of ./check.sh run, or a tiny hybrid (Gated DeltaNet) model; both with the byte tokenizer."""
-    from course.serve import dummy_llm
+    from course.runtime.serve import dummy_llm
     if family == "qwen3":
         return dummy_llm(impl("e05_engine"), max_model_len=MAX_MODEL_LEN, **kwargs)
     from checks import hf_models
-    from course.tiny_tokenizer import byte_tokenizer
+    from course.runtime.tiny_tokenizer import byte_tokenizer
     tok = byte_tokenizer()
     config = hf_models.tiny_config(family, Rand(0), vocab=len(tok), layers=2)     # 512 positions
     return impl("e05_engine").LLM(config, tokenizer=tok, max_model_len=512, **kwargs)
@@ -78,7 +78,7 @@ def _probe() -> None:
 @functools.lru_cache(maxsize=None)
 def _server(max_pending: int = 64, max_num_seqs: int = 16, family: str = "qwen3"):
     """(base url, AsyncEngine) of a live server; one per configuration per check process."""
-    from course.serve import BackgroundServer
+    from course.runtime.serve import BackgroundServer
     m = impl(MODULE)
     llm = _e05_llm(family, max_num_seqs=max_num_seqs, num_kvcache_blocks=256)
     engine = m.AsyncEngine(llm, max_pending=max_pending)

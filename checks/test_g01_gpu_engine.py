@@ -3,7 +3,7 @@
 Oracles: HF `generate` on the GPU (fp32, TF32 off, eager attention, greedy, no eos) for every family; the
 engine's own eager run for CUDA-graph decode (same shapes, so bf16 must agree token for token); the engine's
 own unconstrained run for prefix caching, chunked prefill and preemption; the engine at TP=1 for TP=2
-(two GPUs, NCCL, one process per rank: course/tp_engine.py), skipped with fewer than 2 GPUs.
+(two GPUs, NCCL, one process per rank: course/runtime/tp_engine.py), skipped with fewer than 2 GPUs.
 """
 
 from __future__ import annotations
@@ -386,7 +386,7 @@ def test_tp2_killed_worker_ends_the_engine():
     code = "\n".join([
         "import os, sys, torch",
         f"sys.path.insert(0, {str(root)!r})",
-        "from course import select",
+        "from course.grader import select",
         "select.install()",
         "g01, e01 = select.load('g01_gpu_engine'), select.load('e01_sampling')",
         f"llm = g01.LLM({str(folder)!r}, device='cuda', tensor_parallel_size=2, dtype=torch.float32, max_num_seqs=16,"

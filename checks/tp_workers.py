@@ -69,7 +69,7 @@ def _worker(rank: int, world: int, tmp: str, job: dict) -> None:
     torch.set_num_threads(1)                  # 2 or 4 ranks on 2 cores; also keeps a forked child off OpenMP
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from course import select
+    from course.grader import select
     select.install()
     results: dict = {}
     for name in job["scenarios"]:
@@ -271,7 +271,7 @@ def card(m, rank: int, job: dict, name: str, out: dict) -> None:
 
 
 def select_load(module: str):
-    from course import select
+    from course.grader import select
     return select.load(module)
 
 

@@ -1,9 +1,14 @@
-"""The grader and the glue: CLI, exercise registry, implementation selection, progress state.
+"""The course's glue, in four rooms; no exercise logic lives here (see mine/ and solutions/).
 
-No exercise logic lives here; see mine/ (the learner's files) and solutions/ (the references).
-`from course import use` gives a notebook or script the checker's selection (course/notebook.py).
+    cli.py    `./check.sh ...`: the one entry point; the only module that reaches into every room
+    grader/   registry, implementation selection, progress, running checks, cards, stubs, notebook entry
+    runtime/  what learners use but do not write: run, the HTTP server entry, the TP process layout
+    bench/    the benchmarks: the engine, Track K's kernels, the HTTP server
+    book/     the book builder: site and PDF, appendix A, figures
+
+`from course import use` gives a notebook or script the checker's selection (course/grader/notebook.py).
 """
 
-from .notebook import use
+from .grader.notebook import use
 
 __all__ = ["use"]

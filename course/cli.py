@@ -27,9 +27,9 @@ from rich.markdown import Markdown
 from rich.markup import escape
 from rich.table import Table
 
-from . import cards, registry, state
-from .grade import CHECK_TIMEOUT_S, Grade, run_checks
-from .select import ROOT
+from .grader import cards, registry, state
+from .grader.grade import CHECK_TIMEOUT_S, Grade, run_checks
+from .grader.select import ROOT
 
 console = Console(highlight=False)
 
@@ -238,7 +238,7 @@ def gpu_check(args: list[str]) -> int:
     if not torch.cuda.is_available():
         say("[yellow]./check.sh gpu 需要 NVIDIA GPU（CUDA）：这台机器没有，GPU 校验没有运行（不算通过）。[/]")
         return 2
-    from . import run
+    from .runtime import run
     ex = registry.get("g01")
     selection, report = run.auto_selection(gpu=True)
     if args == ["--solutions"]:
@@ -335,19 +335,19 @@ def main(argv: list[str] | None = None) -> int:
     if command == "selftest":
         return selftest(argv[1:])
     if command == "book":
-        from . import bookbuild
+        from .book import build as bookbuild
         return bookbuild.main(argv[1:])
     if command == "run":
-        from . import run
+        from .runtime import run
         return run.main(argv[1:], say)
     if command == "serve":
-        from . import serve
+        from .runtime import serve
         return serve.main(argv[1:], say)
     if command == "bench" and "--serve" in argv[1:]:
-        from . import serve_bench
+        from .bench import serve as serve_bench
         return serve_bench.main([a for a in argv[1:] if a != "--serve"], say)
     if command == "bench":
-        from . import bench
+        from .bench import engine as bench
         return bench.main(argv[1:], say)
     if command == "gpu":
         return gpu_check(argv[1:])

@@ -423,7 +423,7 @@ class LLM(CPULLM):
 
     Extra settings: device (default CUDA when available), gpu_memory_utilization (KV cache from free memory
     when num_kvcache_blocks is None), enforce_eager (no CUDA graphs), tensor_parallel_size (one process per
-    rank, rank r on cuda:r, NCCL; gloo on the CPU: course/tp_engine.py). dtype defaults to bf16 on CUDA.
+    rank, rank r on cuda:r, NCCL; gloo on the CPU: course/runtime/tp_engine.py). dtype defaults to bf16 on CUDA.
     With tensor_parallel_size > 1, close() (or `with LLM(...) as llm:`) stops the worker processes.
     """
 
@@ -435,7 +435,7 @@ class LLM(CPULLM):
             raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
         self.tp = None
         if tensor_parallel_size > 1:      # this process is rank 0 (or a worker): TP=1 never imports any of it
-            from course.tp_engine import TensorParallel
+            from course.runtime.tp_engine import TensorParallel
             self.tp = TensorParallel.start(type(self), tensor_parallel_size, device, model, dict(
                 gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager, **kwargs))
             device = self.tp.device                                     # cuda:rank

@@ -4,7 +4,7 @@ import ast
 
 import pytest
 
-from course import registry
+from course.grader import registry
 
 WRITTEN = [e for e in registry.written()]
 

@@ -13,7 +13,8 @@ from urllib.parse import unquote, urldefrag, urlparse
 
 import pytest
 
-from course import bookbuild, figures, registry
+from course.book import build as bookbuild, figures
+from course.grader import registry
 
 ROOT = registry.ROOT
 SCREENSHOTS = bookbuild.BUILD / "screenshots"
@@ -27,7 +28,7 @@ def test_figures_are_generated_from_course_figures():
     for name, text in figures.render_all().items():
         path = ROOT / "book" / "figures" / f"{name}.svg"
         assert path.is_file() and path.read_text(encoding="utf-8") == text, \
-            f"{path.relative_to(ROOT)} is stale: run python -m course.figures"
+            f"{path.relative_to(ROOT)} is stale: run python -m course.book.figures"
 
 
 def test_every_figure_is_used_in_the_book():
@@ -201,7 +202,7 @@ def test_every_page_renders_offline_in_chromium(built):
                                  ".filter(e => !e.querySelector('svg')).map(e => e.innerText).join('\\n')")
             if m := _RAW[1][0].search(code):
                 problems.append(f"{rel}: Mermaid source shown as text ({m.group(0).strip()!r}); draw figures in "
-                                "course/figures")
+                                "course/book/figures")
             broken_imgs = page.evaluate("() => [...document.images].filter(i => !i.complete || "
                                         "i.naturalWidth === 0).map(i => i.src)")
             problems.extend(f"{rel}: image not rendered {src}" for src in broken_imgs)

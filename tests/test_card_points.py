@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from course import cards, registry
+from course.grader import cards, registry
 
 WRITTEN = registry.written()
 

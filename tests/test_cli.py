@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from course import select
+from course.grader import select
 
 ROOT = select.ROOT
 
@@ -29,7 +29,7 @@ def state_dir(tmp_path):
 def test_overview_lists_every_track_and_the_next_exercise(state_dir):
     out = cli(env_extra=state_dir)
     assert out.returncode == 0, out.stderr
-    from course import registry
+    from course.grader import registry
     coming = ["即将推出"] if any(not e.written for e in registry.CATALOGUE) else []
     for word in ("Track M", "Track E", "Track K", "Track G", "m03", "g01", "下一个练习", *coming):
         assert word in out.stdout, word
@@ -41,7 +41,7 @@ def test_unknown_exercise_exits_2_and_names_the_known_ones():
 
 
 def test_unwritten_exercise_exits_2():
-    from course import registry
+    from course.grader import registry
     coming = [e for e in registry.CATALOGUE if not e.written]
     if not coming:
         pytest.skip("every exercise of the catalogue is written")
@@ -154,8 +154,8 @@ def test_passing_mine_is_recorded_and_reset_restores_the_stub(tmp_path, state_di
 
 def test_run_with_a_model_folder_uses_its_tokenizer_and_chat_template(tmp_path, state_dir):
     code = ("import sys; sys.path.insert(0, '.')\n"
-            "from course.tiny_tokenizer import byte_tokenizer\n"
-            "from course.run import tiny_dummy_config\n"
+            "from course.runtime.tiny_tokenizer import byte_tokenizer\n"
+            "from course.runtime.run import tiny_dummy_config\n"
             "from transformers import Qwen3ForCausalLM\n"
             "tok = byte_tokenizer(); m = Qwen3ForCausalLM(tiny_dummy_config(len(tok)))\n"
             f"m.save_pretrained({str(tmp_path)!r}); tok.save_pretrained({str(tmp_path)!r})\n")

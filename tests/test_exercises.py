@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from checks.plants import plants_for
-from course import registry
-from course.grade import run_checks
+from course.grader import registry
+from course.grader.grade import run_checks
 
 import torch
 

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from checks.timeouts import HungEarlier, _raiser
-from course import grade, registry
-from course.grade import run_checks
+from course.grader import grade, registry
+from course.grader.grade import run_checks
 
 M03, E05 = registry.get("m03"), registry.get("e05")
 ROUTE_TODO = 'raise NotImplementedError("m03: 请实现 route（见 lessons/m03_sparse_moe.md）")'
@@ -64,7 +64,7 @@ def test_infinite_loop_times_out_and_the_grader_goes_on(tmp_path):
 
 
 def test_a_check_skipped_for_want_of_a_gpu_neither_fails_nor_passes():
-    from course.grade import Grade
+    from course.grader.grade import Grade
     row = lambda status: {"status": status}  # noqa: E731
     assert Grade(M03, [row("passed"), row("skipped")]).passed
     assert not Grade(M03, [row("skipped")]).passed                     # nothing actually passed

@@ -2,7 +2,7 @@
 
 import re
 
-from course import cards, registry
+from course.grader import cards, registry
 from checks.plants import plants_for
 
 DESIGN_IDS = ["m01", "m02", "m03", "m04", "m05", "m06", "m07", "e01", "e02", "e03", "e04", "e05", "e06",
@@ -50,7 +50,7 @@ def test_written_cards_have_every_section_and_header():
 def test_every_l2_hint_says_how_to_run_the_exercise_outside_the_checker():
     for ex in registry.written():
         assert cards.self_test_line(ex) in cards.hint(ex, 2), \
-            f"{ex.card.name}: L2 must end with the standard line (course/cards.py SELF_TEST)"
+            f"{ex.card.name}: L2 must end with the standard line (course/grader/cards.py SELF_TEST)"
 
 
 def _mistake_bullets(text: str) -> list[str]:
@@ -76,7 +76,7 @@ def test_written_exercises_have_book_pages():
 
 
 def test_appendix_a_is_generated_from_the_cards():
-    from course import book
+    from course.book import appendix as book
     for ex in registry.written():
         assert book.hint_path(ex).read_text(encoding="utf-8") == book.hint_page(ex), \
             f"{book.hint_path(ex)} is stale: run python -m course.book"

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from course import select
+from course.grader import select
 
 
 def test_resolve_defaults_to_solutions():
@@ -29,20 +29,20 @@ def _run(code: str, selection: dict) -> str:
 def test_relative_imports_between_exercise_files_follow_the_selection(tmp_path):
     (tmp_path / "a.py").write_text("WHO = 'a from tmp'\n")
     (tmp_path / "b.py").write_text("from .a import WHO\n")
-    out = _run("from course import select; select.install(); import impl.b; print(impl.b.WHO, impl.b.__file__)",
+    out = _run("from course.grader import select; select.install(); import impl.b; print(impl.b.WHO, impl.b.__file__)",
                {"default": "solutions", "a": str(tmp_path / "a.py"), "b": str(tmp_path / "b.py")})
     assert out.startswith("a from tmp") and out.endswith("b.py")
 
 
 def test_the_same_module_name_serves_mine_and_solutions():
-    code = ("from course import select; m = select.load('m03_sparse_moe'); "
+    code = ("from course.grader import select; m = select.load('m03_sparse_moe'); "
             "print(m.__name__, m.__file__)")
     assert _run(code, {"default": "solutions"}).endswith("solutions/m03_sparse_moe.py")
     assert _run(code, {"default": "solutions", "m03_sparse_moe": "mine"}).endswith("mine/m03_sparse_moe.py")
 
 
 def test_a_failed_import_is_retried():
-    code = ("from course import select\n"
+    code = ("from course.grader import select\n"
             "for _ in range(2):\n"
             "    try: select.load('m03_sparse_moe')\n"
             "    except SyntaxError: print('syntax')\n")

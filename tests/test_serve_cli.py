@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from course import registry, select
+from course.grader import registry, select
 
 MISSING = registry.get("e06").missing_packages
 pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"e06 needs {', '.join(MISSING)}")

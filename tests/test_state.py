@@ -2,7 +2,7 @@
 
 import pytest
 
-from course import state
+from course.grader import state
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,6 @@
 """The tensor-parallel engine on the CPU: g01's LLM(..., device="cpu", tensor_parallel_size=2), 2 ranks over gloo.
 
-Each rank is a process (course/tp_engine.py); the reference files back every exercise. Oracle: the same
+Each rank is a process (course/runtime/tp_engine.py); the reference files back every exercise. Oracle: the same
 engine at TP=1 on the same checkpoint (HF transformers 5.17 save_pretrained of a tiny fp32 model, every
 parameter randomised), greedy, token for token.
 """
@@ -22,7 +22,7 @@ import torch
 
 from checks import hf_models
 from checks.kit import Rand
-from course import select
+from course.grader import select
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE = dict(device="cpu", max_num_seqs=4, max_model_len=128, block_size=4, max_num_batched_tokens=24,
@@ -128,7 +128,7 @@ sys.path.insert(0, {root!r})
 os.environ["COURSE_SELECTION"] = '{{"default": "solutions"}}'
 import torch
 torch.set_num_threads(1)
-from course import select
+from course.grader import select
 select.install()
 g01, e01 = select.load("g01_gpu_engine"), select.load("e01_sampling")
 llm = g01.LLM({folder!r}, tensor_parallel_size=2, **{engine!r})
@@ -234,7 +234,7 @@ def test_a_model_that_cannot_be_split_is_refused_and_the_next_engine_starts():
     g01 = select.load("g01_gpu_engine")
     with pytest.raises(ValueError, match="num_attention_heads = 3 is not divisible"):
         g01.LLM(config, tensor_parallel_size=2, **ENGINE)
-    from course import tp_engine
+    from course.runtime import tp_engine
     pids = [w.process.pid for w in tp_engine._ACTIVE.workers]
     folder, prompts = _case("qwen3")
     ref = [o.token_ids for o in _llm(folder).generate(prompts[:2], _greedy())]

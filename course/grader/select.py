@@ -22,7 +22,7 @@ import sys
 import types
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "impl"
 ENV = "COURSE_SELECTION"
 FOLDERS = ("mine", "solutions")

@@ -1,6 +1,6 @@
 """Developer tool: write mine/<module>.py from solutions/<module>.py, turning the named functions into tasks.
 
-    python -m course.stubgen m06_models m06 MLP.forward DecoderLayer.forward load_checkpoint ...
+    python -m course.grader.stubgen m06_models m06 MLP.forward DecoderLayer.forward load_checkpoint ...
 
 Each named function (or Class.method) keeps its signature and docstring; its body becomes
 `raise NotImplementedError("<id>: 请实现 <name>（见 lessons/<module>.md）")`. Everything else is copied,

@@ -10,7 +10,7 @@ import argparse
 import sys
 import time
 
-from . import registry, select, state
+from ..grader import registry, select, state
 
 ENGINE_MODULES = ["m01", "m02", "m03", "m04", "m05", "m06", "e01", "e02", "e03", "e04", "e05"]
 GPU_MODULES = ["k01", "k02", "k03", "k04", "g01"]

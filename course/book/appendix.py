@@ -6,7 +6,7 @@ card (the book build gives the blocks the anchors hint-l1..hint-l3). A selftest 
 
 from __future__ import annotations
 
-from . import cards, registry
+from ..grader import cards, registry
 
 
 def hint_page(ex: registry.Exercise) -> str:
@@ -32,6 +32,3 @@ def main() -> None:
         hint_path(ex).write_text(hint_page(ex), encoding="utf-8")
         print(f"wrote {hint_path(ex).relative_to(registry.ROOT)}")
 
-
-if __name__ == "__main__":
-    main()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import select
+from ..grader import select
 
 PREFILL_SHAPES = [(1, 8192, 32, 128), (8, 1024, 32, 128), (64, 512, 32, 128)]
 DECODE_BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -118,7 +118,7 @@ def bench_k04(args) -> int:
         print("./check.sh bench k04：需要 GPU（CUDA 不可用）。")
         return 2
     module = "k04_gdn_kernels"
-    from .run import kernel_source
+    from ..runtime.run import kernel_source
     select.use({"default": "solutions", module: kernel_source("k04", getattr(args, "solutions", False))})
     mod = select.load(module)
     print(f"{torch.cuda.get_device_name()}，torch {torch.__version__}；实现：{select.resolve(module)}\n", flush=True)

@@ -1,6 +1,6 @@
 """A tiny SVG vocabulary for the book's figures: boxes, arrows, text, laid out by hand on a grid.
 
-Every figure is a function in a module of course/figures/ that returns an `Svg`; `python -m course.figures`
+Every figure is a function in a module of course/book/figures/ that returns an `Svg`; `python -m course.book.figures`
 writes them to book/figures/*.svg. Text uses the system's sans-serif font (Noto Sans CJK on Debian).
 """
 

@@ -24,8 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import select
-from .serve import BackgroundServer, DUMMY_NAME, dummy_llm, missing_packages, serving_selection
+from ..grader import select
+from ..runtime.serve import BackgroundServer, DUMMY_NAME, dummy_llm, missing_packages, serving_selection
 
 
 def workload(n: int, vocab: int, seed: int, min_in: int, max_in: int, min_out: int, max_out: int
@@ -88,7 +88,7 @@ def _clients_in_own_process(url: str, model: str, requests: list, clients: int) 
     with tempfile.TemporaryDirectory(prefix="course-bench-") as tmp:
         job = Path(tmp) / "job.json"
         job.write_text(json.dumps({"url": url, "model": model, "requests": requests, "clients": clients}))
-        proc = subprocess.run([sys.executable, "-m", "course.serve_bench", str(job)], capture_output=True, text=True,
+        proc = subprocess.run([sys.executable, "-m", "course.bench.serve", str(job)], capture_output=True, text=True,
                               cwd=select.ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"the load generator failed:\n{proc.stderr[-2000:]}")

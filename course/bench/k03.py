@@ -82,8 +82,8 @@ def bench_k03(args: list[str], say=print) -> int:
         return 1
     import triton.testing
 
-    from course import select
-    from course.run import kernel_source
+    from course.grader import select
+    from course.runtime.run import kernel_source
     select.use({"default": "solutions", "k03_fused_moe": kernel_source("k03", "--solutions" in args)})
     k03, m03 = select.load("k03_fused_moe"), select.load("m03_sparse_moe")
     source = select.resolve("k03_fused_moe")

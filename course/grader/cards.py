@@ -7,7 +7,7 @@ import re
 from .registry import Exercise
 
 _DETAILS = re.compile(r"<details>\s*<summary>(.*?)</summary>(.*?)</details>", re.S)
-# the last bullet of every card's L2 hint: the checker's selection in the learner's own Python (course/notebook.py)
+# the last bullet of every card's L2 hint: the checker's selection in the learner's own Python (course/grader/notebook.py)
 SELF_TEST = ("- 在检查器之外运行（notebook 或脚本，在仓库根目录启动 Python，通常是 `.venv/bin/python`）："
              "`from course import use; impl = use(\"{id}\")` 加载你的 `mine/{module}.py`，其余练习全用参考实现"
              "（与 `./check.sh {id}` 的选择相同），前面没做完的练习就不会抛 NotImplementedError；"

@@ -50,7 +50,8 @@ def workload(num_seqs: int, max_input_len: int, max_output_len: int) -> tuple[li
 
 def run_engine(args, prompts, out_lens, tp: int = 1) -> dict:
     import torch
-    from course import run, select
+    from course.grader import select
+    from course.runtime import run
     selection, report = run.auto_selection(gpu=True)
     select.use(selection)
     if not getattr(args, "_reported", False):
@@ -228,13 +229,13 @@ def run_hf_peer(args, prompts, out_lens) -> dict:
 
 def main(argv: list[str], say) -> int:
     if argv and argv[0] in ("k01", "k02"):
-        from .bench_kernels import bench_kernel
+        from .kernels import bench_kernel
         return bench_kernel(argv[0], argv[1:])
     if argv and argv[0] == "k03":
-        from .bench_k03 import bench_k03
+        from .k03 import bench_k03
         return bench_k03(argv[1:], say)
     if argv and argv[0] == "k04":
-        from .bench_k04 import bench_k04
+        from .k04 import bench_k04
         return bench_k04(argparse.Namespace(solutions="--solutions" in argv[1:]))
     p = argparse.ArgumentParser(prog="./check.sh bench")
     p.add_argument("--model", choices=sorted(MODELS), default="qwen3-0.6b")

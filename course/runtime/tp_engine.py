@@ -125,7 +125,7 @@ def shard_loaded(model: torch.nn.Module) -> torch.nn.Module:
     checkpoint stores it, m06's shard_view) through the new parameters' weight_loader: this rank keeps its
     slices. Every rank built the same full model (same folder, or dummy weights from the same seed), so
     the shards fit together exactly as if they had been loaded from a checkpoint."""
-    from course import select
+    from course.grader import select
     m06, m07 = select.load("m06_models"), select.load("m07_tensor_parallel")
     pieces = [(name, shard, m06.shard_view(model, name, p.data, shard))
               for name, p in model.named_parameters() for shard in _shards(name, p)]
@@ -564,10 +564,10 @@ def _worker_main(rank: int, store: str, cmd, report, spec: dict, parent_pid: int
             torch.set_num_threads(1)               # N ranks share the cores; a forked child stays off OpenMP
         if spec["selection"] is not None:
             os.environ["COURSE_SELECTION"] = spec["selection"]
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         if root not in sys.path:
             sys.path.insert(0, root)
-        from course import select
+        from course.grader import select
         select.install()
         module, qualname = spec["cls"]
         if module.startswith(select.PACKAGE + "."):

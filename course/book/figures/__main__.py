@@ -1,4 +1,4 @@
-from ..select import ROOT
+from ...grader.select import ROOT
 from . import write_all
 
 for path in write_all(ROOT / "book" / "figures"):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import random
 
-from . import select
+from ..grader import select
 
 
 def _say(text: str) -> None:
@@ -167,7 +167,7 @@ def bench_kernel(exercise_id: str, args: list[str]) -> int:
         _say(f"./check.sh bench {exercise_id}：需要 GPU（CUDA），这台机器上没有。正确性检查请运行 ./check.sh {exercise_id}。")
         return 1
     module = {"k01": "k01_triton_basics", "k02": "k02_paged_attention"}[exercise_id]
-    from .run import kernel_source
+    from ..runtime.run import kernel_source
     source = kernel_source(exercise_id, "--solutions" in args)
     os.environ[select.ENV] = select.encode({"default": "solutions", module: source})
     m = select.load(module)

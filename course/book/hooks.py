@@ -1,4 +1,4 @@
-"""MkDocs hooks of the book build (course/bookbuild.py): typeset formulas, make <details> render Markdown.
+"""MkDocs hooks of the book build (course/book/build.py): typeset formulas, make <details> render Markdown.
 
 Formulas: pymdownx.arithmatex (generic mode) wraps `$...$` and `$$...$$` in `<span|div class="arithmatex">`;
 on_page_content replaces each with an SVG typeset by ziamath (pure Python, STIX Two Math outlines), so the

@@ -13,7 +13,7 @@ import importlib.util
 import threading
 import time
 
-from . import registry, select, state
+from ..grader import registry, select, state
 from .run import auto_selection, tiny_dummy_config
 
 PACKAGES = ("fastapi", "uvicorn")

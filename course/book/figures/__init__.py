@@ -1,4 +1,4 @@
-"""The book's figures, generated as SVG text: `python -m course.figures` writes book/figures/*.svg.
+"""The book's figures, generated as SVG text: `python -m course.book.figures` writes book/figures/*.svg.
 
 Each module holds the figures of one topic; FIGURES maps a file name to the function drawing it. The book
 build regenerates them, and tests/test_book.py checks the committed SVGs are up to date.

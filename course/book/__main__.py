@@ -1,0 +1,3 @@
+from .appendix import main
+
+main()
