@@ -11,7 +11,7 @@
     ./check.sh serve [--model DIR]  the same engine behind an OpenAI-compatible HTTP server (e06)
     ./check.sh bench --serve        HTTP throughput and time-to-first-token beside the offline engine
     ./check.sh selftest             the project's own test suite
-    ./check.sh book [--open]        build the book: HTML site build/book/site/ and PDF build/book/book.pdf
+    ./check.sh book [--open] [--serve [--no-build] [--port N]]   build (and serve) the book: build/book/site/, build/book/book.pdf
 """
 
 from __future__ import annotations

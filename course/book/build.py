@@ -49,14 +49,38 @@ _HEADER = re.compile(r"^(# #\d+ · Track \w · .+? · 书 (§[A-Z]\.\d+))(?: · 
 
 
 def missing_tools() -> list[str]:
-    """What a learner must install before `./check.sh book` can run (empty when all is there)."""
+    """What a learner must install before `./check.sh book` can run (empty when all is there). Without the CJK font
+    every Chinese character prints as a box, and the page numbers measured from such a PDF are wrong."""
     import importlib.util
     missing = [f"pip: {m}" for m in PY_MODULES if importlib.util.find_spec(m) is None]
     if not chromium():
         missing.append("apt: chromium")
     if not shutil.which("pdftotext"):
         missing.append("apt: poppler-utils")
+    if not _font("zh"):
+        missing.append("apt: fonts-noto-cjk")
+    if not _font("und-zsye"):
+        missing.append("apt: fonts-noto-color-emoji")
     return missing
+
+
+def _font(lang: str) -> bool:
+    """A font for this language is installed (fontconfig, which Chromium uses too)."""
+    if not shutil.which("fc-list"):
+        return False
+    out = subprocess.run(["fc-list", f":lang={lang}", "family"], capture_output=True, text=True).stdout
+    return bool(out.strip())
+
+
+def install_hint(missing: list[str]) -> str:
+    """How to install what `missing_tools` reports, in the README's words."""
+    lines = ["./check.sh book 需要这些工具（还没有安装）：", *(f"  {m}" for m in missing), "安装："]
+    if any(m.startswith("apt:") for m in missing):
+        sudo = "" if os.geteuid() == 0 else "sudo "
+        lines.append(f"  {sudo}apt-get update && {sudo}apt-get install -y {' '.join(APT_PACKAGES)}")
+    if any(m.startswith("pip:") for m in missing):
+        lines.append("  Python 包在 pyproject.toml 里：删掉 .venv 再运行一次 ./check.sh，按它重新安装")
+    return "\n".join(lines)
 
 
 def chromium() -> str | None:
@@ -99,6 +123,7 @@ def summary_nav() -> list:
             section.extend(_subpages(m.group(2), listed))
     cards = [{f"{ex.id} · {ex.title.split('：')[0]}": f"lessons/{ex.card.name}"} for ex in registry.written()]
     nav.append({"练习卡片": cards})
+    nav.append({"PDF 版（全书）": PDF.name})       # build() copies the PDF into the site
     return nav
 
 
@@ -107,7 +132,10 @@ def nav_pages(nav: list) -> list[tuple[str, str]]:
     out = []
     for item in nav:
         for title, value in item.items():
-            out.extend(nav_pages(value) if isinstance(value, list) else [(title, value)])
+            if isinstance(value, list):
+                out.extend(nav_pages(value))
+            elif value.endswith(".md"):
+                out.append((title, value))
     return out
 
 
@@ -168,6 +196,12 @@ def stage(cites: dict[str, int], write: bool = True) -> list:
     return summary_nav()
 
 
+# Search splits words at white space, jieba's zero-width spaces (\u200b, between Chinese words), Chinese and ASCII
+# punctuation, and camelCase humps. English words are indexed by their stem ("paged" -> "page"); hooks.py makes
+# the query stem them too.
+SEARCH_SEPARATOR = r'[\s\u200b\u3000\-、。，．？！；：（）“”‘’《》,:;!?=\[\]()"/<>{}|]+|(?!\b)(?=[A-Z][a-z])'
+
+
 def mkdocs_config(nav: list) -> dict:
     return {
         "site_name": "从零写一个 Qwen3 家族的推理引擎",
@@ -178,18 +212,23 @@ def mkdocs_config(nav: list) -> dict:
         "exclude_docs": "SUMMARY.md\n",
         "nav": nav,
         "theme": {"name": "material", "language": "zh", "font": False,
-                  "features": ["navigation.footer", "navigation.indexes", "search.highlight", "content.code.copy"]},
+                  "features": ["navigation.footer", "navigation.indexes", "search.highlight", "content.code.copy"],
+                  "palette": [
+                      {"media": "(prefers-color-scheme: light)", "scheme": "default",
+                       "toggle": {"icon": "material/brightness-4", "name": "切换到深色"}},
+                      {"media": "(prefers-color-scheme: dark)", "scheme": "slate",
+                       "toggle": {"icon": "material/brightness-7", "name": "切换到浅色"}}]},
         "extra_css": ["assets/extra.css"],
         "hooks": [str(Path(__file__).with_name("hooks.py"))],
         "markdown_extensions": [
             "tables", "attr_list", "md_in_html", "footnotes", "admonition", "pymdownx.details",
             {"toc": {"permalink": True}},
-            {"pymdownx.highlight": {"use_pygments": True}},
+            {"pymdownx.highlight": {"use_pygments": True, "line_spans": "__span"}},     # print: hanging wraps
             "pymdownx.superfences",
             {"pymdownx.arithmatex": {"generic": True}},
         ],
         "plugins": [
-            {"search": {"lang": ["zh", "en"], "separator": r'[\s\-,:!=\[\]()"/]+|(?!\b)(?=[A-Z][a-z])'}},
+            {"search": {"lang": ["zh", "en"], "separator": SEARCH_SEPARATOR, "pipeline": ["stemmer"]}},
             {"print-site": {"add_to_navigation": False, "print_page_title": "全书（打印版）",
                             "add_table_of_contents": True, "toc_title": "目录", "toc_depth": 2,
                             "enumerate_headings": False, "enumerate_figures": False,
@@ -218,10 +257,10 @@ def build_site(nav: list) -> None:
 # ---------------------------------------------------------------- serving and printing
 
 @contextmanager
-def serve(root: Path = SITE):
-    """The built site on http://127.0.0.1:<port>/ (a thread; stopped on exit)."""
+def serve(root: Path = SITE, port: int = 0):
+    """The built site on http://127.0.0.1:<port>/ (a thread; stopped on exit; port 0: any free port)."""
     handler = partial(_QuietHandler, directory=str(root))
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server = ThreadingHTTPServer(("127.0.0.1", port), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -261,10 +300,13 @@ _PAGE_CSS = """
 #print-page-toc .toc-page { margin-left: auto; float: none; }
 """
 
-# Runs in the print page before printing: open every <details>, tag each chapter start with a named
-# destination the PDF keeps (a link to it), and give each TOC entry a page-number slot.
+# Runs in the print page before printing: open every <details>, mark short code blocks (kept on one page), tag
+# each chapter start with a named destination the PDF keeps (a link to it), give each TOC entry a page-number slot.
 _PREPARE = """(pages) => {
   document.querySelectorAll('details').forEach(d => d.open = true);
+  document.querySelectorAll('.md-typeset pre').forEach(p => {
+    if (p.innerText.split('\\n').length <= 25) p.classList.add('book-short');
+  });
   const out = [];
   document.querySelectorAll('#print-site-page section.print-page').forEach((sec, i) => {
     const h = sec.querySelector('h1');
@@ -314,17 +356,58 @@ def add_outline(pdf: Path, chapters: list[dict]) -> None:
         writer.write(f)
 
 
+# Width of the A4 page's text column in CSS pixels (210 mm less the 16 mm margins of _PAGE_CSS, at 96 px/in).
+PRINT_WIDTH = round((210 - 2 * 16) / 25.4 * 96)
+
+# Runs in the print page laid out at PRINT_WIDTH: every table, code block, image or formula that reaches past its
+# chapter's text column (print has no scroll bar: the part past the edge is lost).
+_OVERFLOW = """() => {
+  const out = [];
+  document.querySelectorAll('#print-site-page section.print-page :is(table, pre, img, svg, .math-display)')
+    .forEach(el => {
+      if (el.closest('.math-inline') && el.closest('table')) return;          // measured with its table
+      const sec = el.closest('section.print-page');
+      const over = Math.max(el.getBoundingClientRect().right - sec.getBoundingClientRect().right,
+                            el.tagName === 'svg' || el.tagName === 'IMG' ? 0 : el.scrollWidth - el.clientWidth);
+      if (over > 1) {
+        const h = sec.querySelector('h1');
+        out.push({chapter: h ? h.textContent.replace(/¶$/, '').trim() : sec.id, element: el.tagName.toLowerCase(),
+                  text: (el.textContent || el.getAttribute('aria-label') || el.getAttribute('src') || '')
+                        .replace(/\\s+/g, ' ').trim().slice(0, 70), px: Math.round(over)});
+      }
+    });
+  return out;
+}"""
+
+
+class LayoutError(SystemExit):
+    """The PDF would lose content: something is wider than the page."""
+
+
+def check_layout(page) -> None:
+    """Fail the build when a table, code block, image or formula is wider than the printed page."""
+    page.set_viewport_size({"width": PRINT_WIDTH, "height": 1000})
+    wide = page.evaluate(_OVERFLOW)
+    if wide:
+        lines = [f"  {w['chapter']}：{w['element']} 超出 {w['px']} px：{w['text']}" for w in wide]
+        raise LayoutError("PDF 里这些内容比版心宽，超出的部分会被裁掉（构建失败，没有改动卡片）：\n" + "\n".join(lines) +
+                          "\n改法：减少表格的列、缩短单元格里不能断行的内容（长的 `code`、公式），或拆成两张表。")
+
+
 def build_pdf(b, guess: dict[str, int] | None) -> tuple[list[dict], dict[str, int]]:
     """Print the print page with the TOC numbered from `guess` (the last build's pages), measure where
     every section starts, and print again until the TOC numbers are the measured ones (one print when
-    nothing moved, two on a first build). Returns the chapters [{id, title, page}] and all section pages."""
+    nothing moved, two on a first build). Returns the chapters [{id, title, page}] and all section pages.
+    Raises LayoutError before printing when something is wider than the page."""
     with serve() as url:
         page = b.new_page()
         page.goto(url + PRINT_PAGE, wait_until="networkidle")
         page.emulate_media(media="print")
         page.add_style_tag(content=_PAGE_CSS)
         chapters = page.evaluate(_PREPARE, guess)
-        for _ in range(3):
+        check_layout(page)
+        for n in range(3):
+            _progress(f"Chromium 打印 PDF（第 {n + 1} 遍）")
             _print(page, PDF)
             pages = section_pages(PDF)
             if pages == guess:
@@ -376,30 +459,44 @@ def update_cards(pages: dict[str, int]) -> list[str]:
     return changed
 
 
+_T0 = [0.0]
+
+
+def _progress(what: str) -> None:
+    print(f"  [{time.time() - _T0[0]:4.0f} s] {what}……", flush=True)
+
+
 def build(open_browser: bool = False, write: bool = True) -> int:
     """Build site and PDF. `write=False` (the selftest) leaves the repo alone: the card headers are only
-    updated in the staged copy, so a test can compare the committed citations with the PDF."""
+    updated in the staged copy, so a test can compare the committed citations with the PDF. The cards are
+    rewritten only after a build that can be right: every tool and font there, nothing wider than the page."""
     missing = missing_tools()
     if missing:
-        print("./check.sh book 需要这些工具（还没有安装）：\n  " + "\n  ".join(missing) +
-              "\n安装：重新运行 ./check.sh（按 pyproject.toml 装进 .venv），以及 "
-              f"sudo apt-get install {' '.join(APT_PACKAGES)}", file=sys.stderr)
+        print(install_hint(missing), file=sys.stderr)
         return 2
-    t0 = time.time()
+    _T0[0] = t0 = time.time()
+    print("构建书（网站 + PDF，几分钟）：", flush=True)
     BUILD.mkdir(parents=True, exist_ok=True)
     guess = json.loads(PAGES.read_text(encoding="utf-8")).get("sections") if PAGES.exists() else None
     cites = cited_pages()
-    with browser() as b:
-        for _ in range(3):
-            nav = stage(cites, write)
-            build_site(nav)
-            t_site = time.time() - t0
-            chapters, guess = build_pdf(b, guess)
-            new = chapter_pages(chapters)
-            if new == cites:
-                break
-            print("卡片头的页码变了，重新构建")
-            cites = new
+    try:
+        with browser() as b:
+            for _ in range(3):
+                _progress("整理 Markdown、生成插图")
+                nav = stage(cites, write)
+                _progress("MkDocs 生成网站")
+                build_site(nav)
+                t_site = time.time() - t0
+                _progress("Chromium 排版打印页")
+                chapters, guess = build_pdf(b, guess)
+                new = chapter_pages(chapters)
+                if new == cites:
+                    break
+                print("  卡片头的页码变了，用新页码重新构建", flush=True)
+                cites = new
+    except LayoutError as exc:
+        print(exc.code, file=sys.stderr)
+        return 1
     if write and (changed := update_cards(cites)):
         print(f"更新了卡片头的页码：{', '.join(changed)}")
     shutil.copy2(PDF, SITE / "book.pdf")
@@ -416,23 +513,47 @@ def build(open_browser: bool = False, write: bool = True) -> int:
     return 0
 
 
-def serve_forever(open_browser: bool) -> int:
-    with serve() as url:
-        print(f"书在 {url}index.html ，PDF 在 {url}book.pdf（Ctrl-C 结束）")
-        if open_browser:
-            import webbrowser
-            webbrowser.open(url + "index.html")
-        try:
+def serve_forever(open_browser: bool, port: int = 0) -> int:
+    if not (SITE / "index.html").exists():
+        print("还没有构建过书：先运行 ./check.sh book", file=sys.stderr)
+        return 2
+    try:
+        with serve(port=port) as url:
+            print(f"书在 {url}index.html ，PDF 在 {url}book.pdf（Ctrl-C 结束）", flush=True)
+            if open_browser:
+                import webbrowser
+                webbrowser.open(url + "index.html")
             while True:
                 time.sleep(3600)
-        except KeyboardInterrupt:
-            return 0
+    except KeyboardInterrupt:
+        return 0
+    except OSError as exc:
+        print(f"端口 {port} 用不了（{exc.strerror}）：换一个 --port，或不写 --port 让系统挑一个", file=sys.stderr)
+        return 2
+
+
+USAGE = """用法：./check.sh book [--open] [--serve [--no-build] [--port N]]
+  --open       构建后在浏览器里打开
+  --serve      构建后在 127.0.0.1 上提供网站（搜索需要它）；--no-build 直接提供上次构建的结果，--port N 指定端口"""
 
 
 def main(argv: list[str]) -> int:
-    code = build(open_browser="--open" in argv and "--serve" not in argv)
-    if code == 0 and "--serve" in argv:
-        return serve_forever("--open" in argv)
+    args = list(argv)
+    port = 0
+    if "--port" in args:
+        k = args.index("--port")
+        if k + 1 >= len(args) or not args[k + 1].isdigit() or not 0 < int(args[k + 1]) < 65536:
+            print(USAGE, file=sys.stderr)
+            return 2
+        port = int(args.pop(k + 1))
+        args.remove("--port")
+    unknown = [a for a in args if a not in ("--open", "--serve", "--no-build")]
+    if unknown or (("--no-build" in args or port) and "--serve" not in args):
+        print(USAGE, file=sys.stderr)
+        return 2
+    code = 0 if "--no-build" in args else build(open_browser="--open" in args and "--serve" not in args)
+    if code == 0 and "--serve" in args:
+        return serve_forever("--open" in args, port)
     return code
 
 

@@ -28,14 +28,53 @@ def _details(m: re.Match) -> str:
     return f'{anchor}<details markdown="1">{m.group(1)}'
 
 
-_APPENDIX_H = re.compile(r"(`[^`\n]*`)|(?<!\[)附录 H-(\d+)")
+# A cross-reference in running text: `附录 A-3` / `附录 C-3` / `附录 H-2`, or a chapter `§M.3` (with the card header's
+# ` · p.27` when it follows). Inline code and existing links are matched first and left as they are.
+_REF = re.compile(r"(`[^`\n]*`|!?\[[^\]\n]*\]\([^)\n]*\))|附录 ([ACH])-(\d+)|(§([A-Z])\.(\d+)(?: · p\.\d+)?)")
+_FENCE = re.compile(r"^\s*(```|~~~)")
 
 
-def _link_appendix_h(markdown: str, src: str) -> str:
-    """Every plain `附录 H-n` (outside inline code) links to that entry of appendix H."""
+def chapter_paths(nav) -> dict[str, str]:
+    """"§M.3" -> the page of the chapter whose nav title starts with it (from the MkDocs nav)."""
+    out: dict[str, str] = {}
+    for item in nav or []:
+        for title, value in (item.items() if isinstance(item, dict) else []):
+            if isinstance(value, list):
+                out.update(chapter_paths(value))
+            elif m := re.match(r"(§[A-Z]\.\d+)\s", str(title)):
+                out[m.group(1)] = value
+    return out
+
+
+def _link_refs(markdown: str, src: str, chapters: dict[str, str], exists) -> str:
+    """Every plain cross-reference (outside code and links) becomes a link to its page; none to the page itself."""
     import posixpath
-    target = posixpath.relpath("appendix-h/index.md", posixpath.dirname(src) or ".")
-    return _APPENDIX_H.sub(lambda m: m.group(1) or f"[附录 H-{m.group(2)}]({target}#h-{m.group(2)})", markdown)
+    base = posixpath.dirname(src) or "."
+
+    def link(text: str, path: str, anchor: str = "") -> str:
+        if path == src or not exists(path):
+            return text
+        return f"[{text}]({posixpath.relpath(path, base)}{anchor})"
+
+    def fix(m: re.Match) -> str:
+        if m.group(1):
+            return m.group(1)
+        if m.group(2):
+            kind, n = m.group(2), m.group(3)
+            if kind == "H":
+                return link(f"附录 H-{n}", "appendix-h/index.md", f"#h-{n}")
+            return link(f"附录 {kind}-{n}", f"appendix-{kind.lower()}/{kind.lower()}-{n}.md")
+        path = chapters.get(f"§{m.group(5)}.{m.group(6)}")
+        return link(m.group(4), path) if path else m.group(4)
+
+    out, fenced = [], None
+    for line in markdown.split("\n"):
+        if f := _FENCE.match(line):
+            fenced = None if fenced == f.group(1) else (fenced or f.group(1))
+            out.append(line)
+        else:
+            out.append(line if fenced else _REF.sub(fix, line))
+    return "\n".join(out)
 
 
 _CARD_MENTION = re.compile(r"(?<!\[)`lessons/([a-z0-9_]+\.md)`")
@@ -50,12 +89,13 @@ def _link_cards(markdown: str, src: str) -> str:
 
 
 @event_priority(100)      # before the print-site plugin copies the page
-def on_page_markdown(markdown: str, page=None, **kwargs) -> str:
+def on_page_markdown(markdown: str, page=None, config=None, files=None, **kwargs) -> str:
     markdown = _DETAILS_OPEN.sub(_details, markdown)
     if page is not None and not page.file.src_uri.startswith("lessons/"):
         markdown = _link_cards(markdown, page.file.src_uri)
-    if page is not None and not page.file.src_uri.startswith("appendix-h/"):
-        markdown = _link_appendix_h(markdown, page.file.src_uri)
+    if page is not None and config is not None and files is not None:
+        markdown = _link_refs(markdown, page.file.src_uri, chapter_paths(config["nav"]),
+                              lambda path: files.get_file_from_path(path) is not None)
     return markdown
 
 
@@ -93,12 +133,37 @@ def on_page_content(content: str, **kwargs) -> str:
 
 _SECTION = re.compile(r'<section class="print-page" id="([^"]+)"')
 
+# The search worker of mkdocs-material (pinned in pyproject.toml) turns every query word into a prefix query,
+# `paged*`, and Lunr runs no stemmer on a prefix query: with the index stemmed ("paged" -> "page"), `paged*` found
+# almost nothing. Each English word also goes in as itself, which the stemmer then reduces like the index. A run
+# of Chinese is cut into the index's words (Material's segmenter) and every word is required, not any one.
+_QUERY_WILDCARD = re.compile(r"\.map\((\w)=>/\(\^\[\+-\]\|\[~\^\]\\d\+\$\)/\.test\(\1\)\?\1:`\$\{\1\}\*`\)")
+_HAN_SEGMENTS = 'this.index.invertedIndex)].join("* ")'
+
+
+def _patch_search_worker(site_dir) -> None:
+    from pathlib import Path
+    workers = list((Path(site_dir) / "assets" / "javascripts" / "workers").glob("search.*.min.js"))
+    if len(workers) != 1:
+        raise RuntimeError(f"search worker not found or not unique: {workers}")
+    js = workers[0].read_text(encoding="utf-8")
+    if not _QUERY_WILDCARD.search(js) or js.count(_HAN_SEGMENTS) != 1:
+        raise RuntimeError(f"{workers[0].name}: the query code of mkdocs-material changed; update "
+                           "course/book/hooks.py (_patch_search_worker)")
+    js = _QUERY_WILDCARD.sub(lambda m: ".flatMap({0}=>/(^[+-]|[~^]\\d+$)/.test({0})?[{0}]:"
+                                       "/^[A-Za-z]{{3,}}$/.test({0})?[`${{{0}}}*`,{0}]:[`${{{0}}}*`])".format(m.group(1)),
+                             js, count=1)
+    js = js.replace(_HAN_SEGMENTS, 'this.index.invertedIndex)].map(w=>"+"+w+"*").join(" ")')
+    workers[0].write_text(js, encoding="utf-8")
+
 
 @event_priority(-200)     # after the print-site plugin has written the print page
 def on_post_build(config, **kwargs) -> None:
-    """In the print page, prefix the hint anchors with their page's key, as print-site does for headings
-    (it rewrites the links to `#<page>-hint-l1` but only the ids of h1-h6, sup and li that start a tag match)."""
+    """Patch the search worker's query (above). In the print page, prefix the hint anchors with their page's key,
+    as print-site does for headings (it rewrites the links to `#<page>-hint-l1` but only the ids of h1-h6, sup and
+    li that start a tag match)."""
     from pathlib import Path
+    _patch_search_worker(config["site_dir"])
     path = Path(config["site_dir"]) / "print_page.html"
     if not path.exists():
         return

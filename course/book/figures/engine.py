@@ -8,9 +8,10 @@ from .svg import COLORS as C, Svg
 def request_life() -> Svg:
     steps = [("tokenize", "chat template\n→ token ids", "e05"), ("schedule", "选进本步 batch\n分配 KV block", "e03 · e02"),
              ("prepare batch", "input_ids, positions\nslot_mapping, cu_seqlens", "e04"),
-             ("forward", "Qwen3 / MoE / 3.5\n→ logits [B, V]", "m01–m07 · k01–k04"),
+             ("forward", "Qwen3 / MoE / 3.5\n→ logits [B, V]", "m01–m07\nk01–k04 · g01"),
              ("sample", "temperature / top-k\ntop-p / min-p", "e01"),
-             ("postprocess", "追加 token、判停\n释放 block", "e03 · e05"), ("stream", "增量 detokenize\n→ 用户", "e05")]
+             ("postprocess", "追加 token、判停\n释放 block", "e03 · e05"),
+             ("stream", "增量 detokenize\n→ 用户（HTTP）", "e05 · e06")]
     s = Svg(760, 300, "一个请求的一生：从 prompt 到流式输出")
     w, gap, y = 96, 12, 70
     for i, (name, what, ex) in enumerate(steps):

@@ -1,5 +1,5 @@
-"""Figures of the kernel-level topics: MoE dispatch, GDN chunks, CUDA-graph capture and replay, and Track K's
-kernels (online softmax and split-K, the fused-MoE align layout, the GDN kernels' grids)."""
+"""Figures of the kernel-level topics: MoE dispatch and alignment, split-K decode attention, GDN chunks and kernel
+grids, CUDA-graph capture and replay."""
 
 from __future__ import annotations
 
@@ -62,118 +62,129 @@ def gdn_chunks() -> Svg:
     return s
 
 
+def split_k_decode() -> Svg:
+    s = Svg(760, 360, "split-K decode：每段一遍 online softmax，reduce 按 lse 合并")
+    s.text(380, 22, "一条序列、一个 kv 头的 decode：key 切成 num_splits 段，grid (B, nKV, num_splits)，每段一个程序",
+           size=12, weight="bold")
+    fills = [C["attn"], C["kv"], C["moe"]]
+    for t in range(12):
+        seg = t // 4
+        s.box(30 + t * 58, 40, 54, 26, f"tile {t}", fill=fills[seg], size=10, mono=True)
+    s.text(380, 82, "每个 tile 是 BLOCK_N 个 key（按 block table 从分页的 KV cache 读）；段长 = ceil(ceil(Lk / num_splits) / BLOCK_N) · BLOCK_N",
+           size=10, color="#444")
+    for seg in range(3):
+        x = 30 + seg * 232
+        s.rect(x, 94, 226, 120, fill=fills[seg], rx=8)
+        s.text(x + 113, 112, f"程序 (b, h, s = {seg})", size=12, weight="bold")
+        s.text(x + 10, 132, "逐 tile：m_new = max(m, max s)", size=10, anchor="start", mono=True)
+        s.text(x + 10, 148, "alpha = exp(m − m_new)", size=10, anchor="start", mono=True)
+        s.text(x + 10, 164, "l = l·alpha + Σ p", size=10, anchor="start", mono=True)
+        s.text(x + 10, 180, "acc = acc·alpha + p·V", size=10, anchor="start", mono=True)
+        s.box(x + 23, 188, 180, 22, f"写 o_{seg} = acc / l，lse_{seg} = m + log l", fill=C["free"], size=10)
+        s.arrow(x + 113, 214, 380, 246)
+    s.box(180, 248, 400, 58, "reduce kernel（每个 (b, query 头) 一个程序）\nw_s = exp(lse_s − max lse)\n"
+          "o = Σ w_s · o_s / Σ w_s", fill=C["hot"], size=11)
+    s.text(380, 326, "每段只读自己那几个 tile：batch 小、上下文长时也有 B · nKV · num_splits 个程序在读 K/V", size=11)
+    s.text(380, 344, "num_splits 是静态整数，grid 只取决于形状，所以 decode 能进 CUDA graph；起点超过 Lk 的段直接返回",
+           size=11, color="#444")
+    return s
+
+
+def moe_align() -> Svg:
+    s = Svg(760, 330, "moe_align_block_size：pair 按 expert 排序、每段补齐到 BLOCK_M")
+    s.text(380, 22, "例：3 个 token、top-2、E = 5、BLOCK_M = 4；pair p = token · k + j（共 N·k = 6 个），补位的 id = N·k = 6",
+           size=12, weight="bold")
+    pairs = [(0, 2), (0, 0), (1, 1), (1, 2), (2, 2), (2, 3)]
+    efill = [C["attn"], C["kv"], C["moe"], C["gdn"], C["mlp"]]
+    s.text(20, 56, "pair → expert", size=11, anchor="start", weight="bold")
+    for p, (t, e) in enumerate(pairs):
+        s.box(120 + p * 70, 40, 64, 26, f"p{p}: t{t}→e{e}", fill=efill[e], size=10, mono=True)
+    s.text(20, 106, "sorted_ids", size=11, anchor="start", weight="bold", mono=True)
+    s.text(20, 150, "expert_ids", size=11, anchor="start", weight="bold", mono=True)
+    blocks = [(0, [1]), (1, [2]), (2, [0, 3, 4]), (3, [5]), (-1, []), (-1, [])]
+    for b, (e, ids) in enumerate(blocks):
+        x0 = 120 + b * 104
+        for j in range(4):
+            real = j < len(ids)
+            fill = efill[e] if e >= 0 and real else C["free"]
+            s.box(x0 + j * 24, 92, 22, 24, str(ids[j]) if real else "6", fill=fill, size=10, mono=True,
+                  dash=not real)
+        s.box(x0 + 18, 136, 60, 24, str(e), fill=efill[e] if e >= 0 else C["io"], size=11, mono=True, dash=e < 0)
+        s.text(x0 + 48, 178, f"block {b}", size=10, color="#444")
+    s.line([(120 + 4 * 104 - 6, 86), (120 + 4 * 104 - 6, 186)], arrow=False, dash=True, color="#a33")
+    s.text(740, 200, "num_tokens_post_padded = 16：之后的 block 直接返回", size=10, color="#a33", anchor="end")
+    s.text(20, 226, "grouped GEMM 的 grid", size=11, anchor="start", weight="bold")
+    s.box(20, 238, 230, 46, "程序 (pid_m, pid_n)\ne = expert_ids[pid_m]", fill=C["gpu"], size=11, mono=True)
+    s.box(290, 238, 210, 46, "读 sorted_ids 的一个 block，\ngather token 行 pair // k", fill=C["free"], size=11)
+    s.box(540, 238, 200, 46, "W_e 的第 pid_n 列块，\n沿 K 一块块 tl.dot", fill=C["moe"], size=11)
+    s.arrow(250, 261, 288, 261)
+    s.arrow(500, 261, 538, 261)
+    s.text(380, 310, "一个 block 的 BLOCK_M 行都属于同一个 expert，所以它就是一个普通的小 GEMM；补位行（id 6）不读也不写",
+           size=11)
+    return s
+
+
+def gdn_grids() -> Svg:
+    s = Svg(760, 360, "Gated DeltaNet kernel 的 grid：decode 与分块 prefill")
+    s.text(190, 22, "decode：grid (B, nv, dv / BV)", size=13, weight="bold")
+    s.text(190, 42, "状态池 ssm_pool [slots, nv, dk, dv]，fp32", size=11, color="#444")
+    for k in range(3):
+        s.rect(60 + k * 14, 56 + k * 10, 200, 120, fill=C["gdn"] if k < 2 else C["hot"], rx=4)
+    x0, y0 = 88, 76
+    for j in range(4):
+        s.rect(x0 + j * 50, y0, 50, 120, fill=C["hot"] if j == 1 else C["gdn"], rx=0)
+        s.text(x0 + j * 50 + 25, y0 + 64, f"dv 块 {j}", size=10)
+    s.text(x0 + 100, y0 + 136, "slot = slots[b]：一个序列在池里的槽位", size=10, color="#444")
+    s.text(40, y0 + 64, "dk", size=11, mono=True)
+    s.box(20, 232, 340, 50, "程序 (b, h, j)：读一次 [dk, BV] 的状态块 →\n衰减、读预测、写纠正、算输出 → 写回原处",
+          fill=C["free"], size=11)
+    s.text(190, 302, "slots[b] = −1（CUDA graph 补齐的行）：整块掩码掉，", size=10.5, color="#a33")
+    s.text(190, 318, "不读也不写池", size=10.5, color="#a33")
+    s.arrow(188, 230, 188, 214)
+    s.text(570, 22, "prefill：两个 kernel", size=13, weight="bold")
+    s.text(570, 42, "① _chunk_prep_kernel，grid (块数, nv)：全部并行", size=11, weight="bold")
+    for c in range(6):
+        s.box(410 + c * 54, 52, 48, 30, f"块 {c}", fill=C["gdn"], size=10)
+    s.text(570, 100, "每块一个程序：γ、L、T、w、u、Aqk（与状态无关）", size=10, color="#444")
+    s.text(570, 136, "② _chunk_state_kernel，grid (B, nv, dv / BV)", size=11, weight="bold")
+    for c in range(6):
+        s.box(410 + c * 54, 148, 48, 30, f"块 {c}", fill=C["free"], size=10)
+        if c:
+            s.arrow(410 + c * 54 - 6, 163, 410 + c * 54 - 1, 163)
+    s.text(570, 196, "一个程序沿一条序列的块顺序走：状态 S [dk, BV] 留在寄存器，", size=10, color="#444")
+    s.text(570, 212, "每块一次交接，同时算出这块的输出", size=10, color="#444")
+    s.box(420, 232, 300, 50, "并行度 = B · nv · dv / BV 个程序\n[1, 8192, 32, 128]、BV = 32：128 个（H200 有 132 个 SM）",
+          fill=C["hot"], size=10.5)
+    s.text(380, 348, "decode 是纯带宽问题（状态读一次、写一次）；prefill 把块内的依赖变成矩阵乘，只有块间交接是顺序的",
+           size=11)
+    return s
+
+
 def cuda_graph() -> Svg:
-    s = Svg(760, 316, "CUDA graph：capture 一次，replay 每一步")
-    s.text(190, 24, "capture（启动时，每个 batch 桶一次）", size=13, weight="bold")
-    for i, bs in enumerate([1, 2, 4, 8, 16, 32, "…", "max"]):
-        s.box(20 + i * 45, 40, 41, 28, "…" if bs == "…" else f"{bs}", fill=C["gpu"], size=10.5, mono=True)
-    s.text(200, 84, "桶：1、2、4、8，然后每 16 一个，直到 max_num_seqs", size=10.5, color="#444")
-    s.box(20, 96, 360, 44, "静态输入 buffer：input_ids、positions、\nslot_mapping、block_tables、context_lens",
+    s = Svg(760, 310, "CUDA graph：capture 一次，replay 每一步")
+    s.text(200, 24, "capture（启动时，每个 batch 桶一次）", size=13, weight="bold")
+    for i, bs in enumerate([1, 2, 4, 8, 16, 32, 48, "…"]):
+        s.box(20 + i * 34, 40, 30, 28, str(bs), fill=C["gpu"], size=10)
+    s.box(292, 40, 88, 28, "max_num_seqs", fill=C["gpu"], size=10, mono=True)
+    s.text(200, 82, "桶：1、2、4、8，之后每 16 一个，直到 max_num_seqs", size=10, color="#444")
+    s.box(20, 92, 360, 38, "静态输入 buffer：input_ids、positions、\nslot_mapping、block_tables、context_lens",
           fill=C["kv"], size=10.5)
-    s.box(20, 152, 360, 34, "model.forward(buffers) 录成一张图：kernel 的启动参数固定", fill=C["hot"], size=10.5)
-    s.box(20, 198, 360, 34, "静态输出 buffer：logits / hidden states", fill=C["kv"], size=10.5)
-    s.arrow(200, 140, 200, 150)
-    s.arrow(200, 186, 200, 196)
-    s.text(570, 24, "replay（每个 decode 步）", size=13, weight="bold")
-    steps = ["batch 有 n 个请求：取 ≥ n 的最小桶 bs", "把本步输入 copy_ 进静态 buffer\n（多出的行 slot = −1）",
+    s.box(20, 142, 360, 34, "model.forward(buffers) 录成一张图：几百个 kernel 的启动参数固定", fill=C["hot"], size=10.5)
+    s.box(20, 188, 360, 34, "静态输出 buffer：logits / hidden states", fill=C["kv"], size=10.5)
+    s.arrow(200, 130, 200, 140)
+    s.arrow(200, 176, 200, 186)
+    s.text(580, 24, "replay（每个 decode 步）", size=13, weight="bold")
+    steps = ["batch 有 n 个请求：取 ≥ n 的最小桶 bs", "把本步输入 copy_ 进静态 buffer\n（多出的行填 padding）",
              "graph.replay()：一次启动", "从静态输出取前 n 行 → sampler"]
     for i, t in enumerate(steps):
         s.box(420, 40 + i * 54, 320, 42, t, fill=C["gpu"] if i == 2 else C["free"], size=11)
         if i:
             s.arrow(580, 40 + i * 54 - 12, 580, 40 + i * 54 - 2)
-    s.line([(380, 169), (418, 169)], dash=True)
-    s.text(380, 268, "为什么：decode 一步的 kernel 都很小，CPU 逐个 launch 的时间比 GPU 计算还长；", size=11)
-    s.text(380, 286, "图里的地址和形状都固定，所以输入必须写进同一块 buffer，prefill（形状多变）仍走 eager", size=11)
+    s.line([(380, 159), (418, 159)], dash=True)
+    s.text(380, 272, "为什么：decode 一步的 kernel 都很小，CPU 逐个 launch 的时间比 GPU 计算还长；", size=11)
+    s.text(380, 290, "图里的地址和形状都固定，所以输入必须写进同一块 buffer，prefill（形状多变）仍走 eager", size=11)
     return s
 
 
-def online_softmax_splitk() -> Svg:
-    s = Svg(760, 300, "online softmax 与 split-K decode 的 reduce")
-    s.text(190, 22, "① 一个 program：一块一块地看 key", size=13, weight="bold")
-    tiles = ["key 0–15", "key 16–31", "key 32–47"]
-    for i, name in enumerate(tiles):
-        x = 20 + i * 120
-        s.box(x, 36, 110, 28, name, fill=C["kv"], size=11, mono=True)
-        s.box(x, 88, 110, 62, f"m, l, acc\n× α = 2^(m−m_new)\n+ 本块", fill=C["free"], size=10.5)
-        s.arrow(x + 55, 64, x + 55, 86)
-        if i:
-            s.arrow(x - 12, 119, x - 1, 119)
-    s.box(110, 176, 180, 30, "o = acc / l", fill=C["hot"], size=12, mono=True)
-    s.arrow(315, 150, 240, 174)
-    s.text(190, 228, "分数矩阵不离开寄存器；每块 K/V 只读一次", size=11, color="#444")
-    s.text(190, 246, "m 以 log₂ 为单位（scale 里乘了 log₂e，exp 换成 exp2）", size=11, color="#444")
-    s.text(570, 22, "② split-K：一条序列切成 num_splits 段", size=13, weight="bold")
-    for i in range(3):
-        y = 36 + i * 52
-        s.box(400, y, 130, 40, f"split {i}：online softmax\n只看本段的 key", fill=C["gpu"], size=10.5)
-        s.box(560, y + 5, 80, 30, f"o_{i}, lse_{i}", fill=C["free"], size=11, mono=True)
-        s.arrow(530, y + 20, 558, y + 20)
-        s.arrow(640, y + 20, 660, 110)
-    s.box(662, 80, 94, 60, "reduce\nw_s =\n2^(lse_s − max)", fill=C["hot"], size=10.5)
-    s.text(576, 206, "lse_s = m_s + log₂ l_s（与 m 同一个底）", size=11, mono=True)
-    s.text(576, 226, "o = Σ w_s · o_s / Σ w_s", size=11, mono=True)
-    s.text(576, 250, "直接平均 o_s 是错的：每段的 softmax 总质量不同", size=11, color="#444")
-    s.text(380, 284, "同一个公式合并两段 key 的 softmax：一个 program 内是逐块合并（①），split-K 是跨 program 合并（②）",
-           size=11)
-    return s
-
-
-def moe_align() -> Svg:
-    s = Svg(760, 300, "fused MoE 的对齐：sorted_ids 按 expert 分段、每段补齐到 BLOCK_M")
-    s.text(380, 22, "ids = [[2, 0], [1, 2], [2, 3]]（N = 3 个 token，k = 2），E = 5，BLOCK_M = 4", size=12,
-           weight="bold", mono=True)
-    s.text(120, 52, "pair p = token·k + j", size=11, color="#444")
-    pairs = [(0, 2), (1, 0), (2, 1), (3, 2), (4, 2), (5, 3)]
-    for i, (p, e) in enumerate(pairs):
-        s.box(20 + i * 38, 62, 34, 34, f"p{p}\ne{e}", fill=C["moe"], size=10, mono=True)
-    s.text(500, 52, "sorted_ids：按 expert 稳定排序，每段补齐（6 = N·k 是空位）", size=11, color="#444")
-    sorted_ids = [1, 6, 6, 6, 2, 6, 6, 6, 0, 3, 4, 6, 5, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6]
-    expert_ids = [0, 1, 2, 3, -1, -1]
-    for b in range(6):
-        x = 20 + b * 123
-        past = b >= 4
-        s.rect(x - 3, 108, 121, 92, fill="#fafafa" if past else C["free"], dash=past, rx=4)
-        for j in range(4):
-            v = sorted_ids[b * 4 + j]
-            s.box(x + j * 29, 116, 26, 28, str(v), fill=C["free"] if v == 6 else C["moe"], size=11, mono=True,
-                  dash=v == 6)
-        s.text(x + 57, 164, f"block {b}", size=11)
-        s.text(x + 57, 186, f"expert_ids = {expert_ids[b]}", size=10.5, mono=True)
-    s.line([(20 + 4 * 123 - 8, 104), (20 + 4 * 123 - 8, 222)], arrow=False, color="#c0392b", sw=2)
-    s.text(20 + 4 * 123 - 8, 238, "num_tokens_post_padded = 16", size=11, color="#c0392b", mono=True)
-    s.text(628, 222, "超出的 block：kernel 读到 16 直接 return", size=10.5, color="#444")
-    s.text(250, 222, "一个 block = 一个 expert 的普通小 GEMM", size=10.5, color="#444")
-    s.text(380, 266, "缓冲区长度只能按上界分配：N·k + min(E, N·k)·(BLOCK_M − 1) = 6 + 5·3 = 21 → 取 6 个 block；", size=11)
-    s.text(380, 284, "空位 id = N·k 在 load / store 时被 pairs < N·k 掩掉", size=11)
-    return s
-
-
-def gdn_grids() -> Svg:
-    s = Svg(760, 292, "Gated DeltaNet kernel 的 grid：prefill 两个 kernel，decode 两个 kernel")
-    s.text(190, 22, "prefill（一个 chunk = 64 个 token）", size=13, weight="bold")
-    for i in range(4):
-        s.box(20 + i * 88, 40, 82, 40, f"chunk {i}\n(块, v 头)", fill=C["gdn"], size=10.5)
-    s.text(190, 100, "_chunk_prep_kernel：grid (块数, nv)，所有块同时算", size=10.5)
-    s.text(190, 116, "γ、L、T = (I+L)⁻¹、w、u、Aqk 写到显存（与状态无关）", size=10.5, color="#444")
-    for i in range(4):
-        s.box(20 + i * 88, 134, 82, 34, f"S{i} → S{i + 1}", fill=C["hot"], size=11, mono=True)
-        if i:
-            s.arrow(20 + i * 88 - 6, 151, 20 + i * 88 - 1, 151)
-    s.text(190, 188, "_chunk_state_kernel：grid (B, nv, dv/BV)", size=10.5)
-    s.text(190, 204, "每个程序把 S [dk, BV] 放在寄存器里，沿块顺序走，顺路算 o", size=10.5, color="#444")
-    s.text(570, 22, "decode（每条序列 1 个 token）", size=13, weight="bold")
-    s.box(400, 40, 340, 40, "_conv_update_kernel：grid (B, C/BC)\n卷积窗口滑一格 → silu → x_conv [B, C]", fill=C["gdn"],
-          size=10.5)
-    s.arrow(570, 80, 570, 96)
-    s.box(400, 98, 340, 52, "递推 kernel：每个程序一条序列、一个 v 头、dv 的一块\nS ← e^g S；u = β(v − kᵀS)；S ← S + k uᵀ；o = Sᵀq",
-          fill=C["hot"], size=10.5)
-    s.text(570, 170, "状态 ssm_pool[slot] 原地读写；slot = −1 的 padding 行全掩掉", size=10.5, color="#444")
-    s.text(570, 188, "拆成两个 kernel：一个 key 头的卷积通道被多个程序共用，", size=10.5, color="#444")
-    s.text(570, 204, "在同一个 kernel 里滑窗口会被别的程序读到滑过之后的值", size=10.5, color="#444")
-    s.text(380, 256, "顺序推进状态的 kernel（prefill 的 _chunk_state_kernel、decode 的递推）都只有 B·nv·dv/BV 个程序：", size=11)
-    s.text(380, 274, "batch 小时它们填不满 H200 的 132 个 SM", size=11)
-    return s
-
-
-FIGURES = {"moe-dispatch": moe_dispatch, "gdn-chunks": gdn_chunks, "cuda-graph": cuda_graph,
-           "k02-online-softmax": online_softmax_splitk, "k03-align": moe_align, "k04-grids": gdn_grids}
+FIGURES = {"moe-dispatch": moe_dispatch, "moe-align": moe_align, "split-k-decode": split_k_decode,
+           "gdn-chunks": gdn_chunks, "gdn-grids": gdn_grids, "cuda-graph": cuda_graph}
