@@ -80,12 +80,8 @@ def overview() -> int:
         table.add_column("title")
         table.add_column("status", no_wrap=True)
         for ex in (e for e in registry.CATALOGUE if e.track == track):
-            if not ex.written:
-                label = STATUS_LABEL["coming"]
-            elif ex.needs_gpu:
-                label = STATUS_LABEL["gpu"]
-            else:
-                label = STATUS_LABEL[state.status_of(ex.id, ex.stub)]
+            status = state.status_of(ex.id, ex.stub) if ex.written else "coming"
+            label = STATUS_LABEL["gpu" if ex.needs_gpu and status == "todo" else status]
             table.add_row(ex.id, ex.title, label)
         console.print()
         console.print(table)
