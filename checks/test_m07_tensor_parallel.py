@@ -17,7 +17,6 @@ import re
 import tempfile
 from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F

@@ -17,7 +17,7 @@ PLANTS = [
     Plant("host_sync_in_capture", "capture 区域里有 host 同步（.item()）",
           old="            with torch.cuda.graph(graph, pool):\n",
           new="            with torch.cuda.graph(graph, pool):\n                longest = int(s[\"lens\"][:bs].max())\n",
-          expect="host 同步"),
+          expect="host 同步", gpu_only=True),
     Plant("bucket_too_small", "选 bucket 时取了 < b 的最大 bucket（批里后面的序列被截掉）",
           old="        bs = next((b for b in sorted(self.graphs) if b >= n), None)\n",
           new="        bs = next((b for b in sorted(self.graphs, reverse=True) if b <= n), None)\n",
