@@ -9,6 +9,7 @@ distribution tests with a bound computed for the sample size.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -45,6 +46,8 @@ TOPK_TIES = "top-k 只留了恰好 k 个（按 topk 的下标做 mask），丢�
 TOPP_OFF = ("top_p=1 时没有整体跳过 top-p：softmax 下溢成 0 的 token 满足 cumsum <= 1 - 1 = 0 被误删"
             "（HF 在 top_p=1 时根本不加这个 warper）")
 GREEDY = "temperature=0 的行也去采样了：应直接取 argmax（并列取第一个）"
+TINY = ("极小的正 temperature 没有当成 greedy：fp32 里 logits / 1e-40 是 inf，softmax 得到 NaN，每一步都采到同一个"
+        "无意义的 token；小于 1e-5 的 temperature 应在 SamplingParams 里存成 0.0")
 SHARED_GEN = ("所有行共用一个 generator（或一次从一个 generator 抽整个 [B, V] 的噪声）："
               "带 seed 的行的结果随 batch 里的其他行变化")
 REGEN = ("每一步都按 seed 重新建 generator（或重置了它）：每一步抽到的是同一份噪声；generator 在请求到来时建一次，"
@@ -243,7 +246,8 @@ BAD = [  # (field, bad value[, the value the message must show]) -> ValueError n
     ("top_p", 0.0), ("top_p", 1.5), ("top_p", -0.1), ("top_p", float("nan")), ("top_p", True),
     ("min_p", -0.1), ("min_p", 1.5), ("min_p", float("nan")), ("min_p", "0.1"),
     ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", 1.5), ("max_tokens", True),
-    ("seed", -1), ("seed", 1.5), ("seed", True), ("seed", "7"),
+    ("seed", -1), ("seed", 1.5), ("seed", True), ("seed", "7"), ("seed", 2**64), ("seed", 10**30),
+    ("top_k", 2**63), ("top_k", 10**30),
     ("stop_token_ids", [1, "2"], "2"), ("stop_token_ids", [7, 1.5], 1.5), ("stop_token_ids", [True], True),
     ("stop_token_ids", [3, -1], -1), ("stop_token_ids", 5),
 ]
@@ -276,7 +280,8 @@ def test_params_rejects_bad_values():
 
 GOOD = [dict(), dict(temperature=0), dict(temperature=0.0), dict(temperature=1), dict(temperature=2.5),
         dict(top_k=0), dict(top_k=1), dict(top_k=10**6), dict(top_p=1.0), dict(top_p=1), dict(top_p=1e-9),
-        dict(min_p=0.0), dict(min_p=1.0), dict(seed=0), dict(seed=None), dict(seed=2**40), dict(max_tokens=1),
+        dict(min_p=0.0), dict(min_p=1.0), dict(seed=0), dict(seed=None), dict(seed=2**40), dict(seed=2**64 - 1),
+        dict(top_k=2**63 - 1), dict(temperature=1e-5), dict(max_tokens=1),
         dict(stop_token_ids=[]), dict(stop_token_ids=[0, 151645]), dict(ignore_eos=True),
         dict(temperature=0.0, top_k=50, top_p=0.9, min_p=0.05, seed=7, max_tokens=16, stop_token_ids=[2])]
 
@@ -355,10 +360,14 @@ def test_warp_edges_and_ties():
     assert_warp(out, tied, T, k, p, mp, r, "warp_logits（n 个并列最大值，top_p = j/n、min_p = 1 恰在边界上）", ties=True)
 
 
-@point("temperature=0 的行取 argmax（并列取第一个），不受 top-k/top-p/seed 影响")
+@point("temperature=0（及小于 1e-5 的正值）的行取 argmax（并列取第一个），不受 top-k/top-p/seed 影响")
 def test_greedy_rows_take_argmax():
     m = impl(MODULE)
     r = Rand()
+    tiny = [1e-40, 10 ** -r.py.uniform(5.01, 44), 10 ** -r.py.uniform(5.01, 8)]
+    for t in tiny:
+        stored = m.SamplingParams(temperature=t).temperature
+        assert stored == 0.0, f"SamplingParams(temperature={t!r}).temperature 应存成 0.0（greedy），得到 {stored!r}\n  {TINY}"
     rows, vocab = r.int(16, 24), r.int(40, 100)
     logits = r.randn(rows, vocab)
     tie_rows = list(range(0, rows, 3))
@@ -367,6 +376,9 @@ def test_greedy_rows_take_argmax():
         logits[b, i] = logits[b, j] = logits[b].max() + 1
     greedy = [b % 4 != 3 for b in range(rows)]
     params = [random_request(m, r, vocab, seed=r.choice([None, r.int(0, 10**6)]), greedy=g) for g in greedy]
+    for b in range(1, rows, 4):                                # greedy by a tiny positive temperature
+        params[b] = dataclasses.replace(params[b], temperature=tiny[b % len(tiny)])
+        logits[b, 0] = logits[b].min() - 1                     # a NaN row's argmax would be token 0: never the answer
     gens = _gens(m, [sp.seed for sp in params])
     sampler = m.Sampler()
     for step in range(3):

@@ -11,6 +11,7 @@ import asyncio
 import functools
 import inspect
 import json
+import threading
 import time
 
 import pytest
@@ -111,7 +112,7 @@ def _health(url: str) -> dict:
     return httpx.get(url + "/health", timeout=10).json()
 
 
-def _wait_idle(url: str, seconds: float = 20, until_engine_idle: bool = False) -> dict:
+def _wait_idle(url: str, seconds: float = 20, until_engine_idle: bool = True) -> dict:
     """/health once nothing is in flight; with until_engine_idle, once the engine has no unfinished request and
     the in-flight count has had 2 s to settle (a count that never comes back must fail fast, not time out)."""
     deadline = time.monotonic() + seconds
@@ -169,6 +170,333 @@ def _same(what: str, got_tokens, got_text, ref, r: Rand) -> None:
                              f"  期望 {ref.text!r}{hint}\n  {r}")
 
 
+def _parsed(m, body: dict, chat: bool, tok, max_model_len: int):
+    try:
+        return m.parse_request(body, chat, tok, MODEL, max_model_len)
+    except m.RequestError as exc:
+        raise AssertionError(f"合法请求被拒绝：parse_request({body!r}) 抛了 RequestError({exc}, param={exc.param!r})") from None
+
+
+def _fields(got, want: dict, body: dict, hints: dict) -> None:
+    """Compare ParsedRequest / SamplingParams fields ('params.max_tokens' style names) with `want`."""
+    for name, value in want.items():
+        obj = got
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        if obj != value:
+            hint = hints.get(name, "")
+            raise AssertionError(f"parse_request({body!r})：{name} 应为 {value!r}，得到 {obj!r}"
+                                 + (f"\n  看起来像易错点：{hint}" if hint else ""))
+
+
+@point("parse_request：合法请求的每个字段都按卡片落到 ParsedRequest（缺省值、null、top_k=-1、stop、chat 模板、max_completion_tokens）")
+def test_parse_request_fields():
+    m, r = impl(MODULE), Rand()
+    from course.runtime.tiny_tokenizer import byte_tokenizer
+    tok, max_model_len = byte_tokenizer(), r.int(64, 200)
+    text = _text(r, r.int(3, 12))
+    ids = tok.encode(text)
+    body = {"model": MODEL, "prompt": text}
+    _fields(_parsed(m, body, False, tok, max_model_len), {
+        "prompt_ids": ids, "params.max_tokens": max_model_len - len(ids), "params.temperature": 1.0,
+        "params.top_k": 0, "params.seed": None, "stop": [], "stream": False, "include_usage": False,
+        "return_token_ids": False, "chat": False}, body,
+        {"params.max_tokens": "缺省的 max_tokens 应是 max_model_len − prompt 长度（上下文里剩下的全部）"})
+    nulls = {k: None for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n", "stream",
+                               "stream_options", "stop_token_ids", "ignore_eos", "user")}
+    body = {"model": MODEL, "prompt": ids, **nulls}            # clients send null for "not set"
+    _fields(_parsed(m, body, False, tok, max_model_len), {
+        "prompt_ids": ids, "params.max_tokens": max_model_len - len(ids), "stop": [], "stream": False}, body, {})
+    k, seed, stops = r.int(1, 8), r.int(0, 2**64 - 1), [_text(r, r.int(1, 3)), _text(r, r.int(4, 6))]
+    body = {"model": MODEL, "prompt": ids, "max_tokens": k, "temperature": r.choice([0, 1, 0.5]), "top_p": 0.9,
+            "top_k": -1, "min_p": 0.05, "seed": seed, "stop": stops, "stop_token_ids": [3], "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True, "n": 1, "user": "u"}
+    _fields(_parsed(m, body, False, tok, max_model_len), {
+        "params.max_tokens": k, "params.temperature": float(body["temperature"]), "params.top_p": 0.9,
+        "params.top_k": 0, "params.min_p": 0.05, "params.seed": seed, "params.stop_token_ids": [3],
+        "params.ignore_eos": True, "stop": stops, "stream": True, "include_usage": True, "return_token_ids": True},
+        body, {"params.top_k": "top_k = -1 是 vLLM 的“关闭”，应换成 e01 的 0"})
+    body = {"model": MODEL, "prompt": text, "stop": stops[1]}
+    _fields(_parsed(m, body, False, tok, max_model_len), {"stop": [stops[1]]}, body, {})
+    messages = [{"role": "system", "content": _text(r, 4)}, {"role": "user", "content": _text(r, r.int(2, 9))}]
+    chat_ids = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    k2 = r.int(1, 8)
+    body = {"model": MODEL, "messages": messages, "max_completion_tokens": k2, "max_tokens": k2 + r.int(1, 9)}
+    _fields(_parsed(m, body, True, tok, max_model_len), {"prompt_ids": chat_ids, "params.max_tokens": k2,
+                                                        "chat": True}, body,
+            {"params.max_tokens": "chat 的 max_completion_tokens 被忽略了（它是 OpenAI 现在的名字，优先于 max_tokens）",
+             "prompt_ids": "chat 的 prompt 应是 apply_chat_template(messages, tokenize=False, add_generation_prompt=True) 再编码"})
+
+
+def _card_deltas(tok, ids: list[int], stops: list[str], hold: int, first_listed: bool = False
+                 ) -> tuple[list[str], bool]:
+    """The card's TextStream.push rule, step by step, with the given hold (first_listed: a classic mistake)."""
+    deltas, sent = [], 0
+    for i in range(len(ids)):
+        text = tok.decode(ids[:i + 1], skip_special_tokens=True)
+        cuts = [j for j in (text.find(s) for s in stops) if j >= 0][:1 if first_listed else None]
+        stopped = bool(cuts)
+        text = text[:min(cuts)] if cuts else text
+        end = len(text) if stopped or i == len(ids) - 1 else len(text.rstrip("\ufffd")) - hold
+        deltas.append(text[sent:end] if end > sent else "")
+        sent = max(sent, end)
+        if stopped:
+            return deltas, True
+    return deltas, False
+
+
+@point("TextStream：随机文本与不同长度的 stop 字符串，每一步的增量都按卡片（扣住最长的 stop − 1 个字符，在最早出现的 stop 处截断）")
+def test_text_stream_stops():
+    m, r = impl(MODULE), Rand()
+    from course.runtime.tiny_tokenizer import byte_tokenizer
+    tok = byte_tokenizer()
+    text = _text(r, r.int(40, 60))
+    p = r.int(5, 15)
+    long_stop = text[p:p + r.int(4, 7)] + "#"                  # its head appears at p, the whole never does
+    q = next(j for j in range(p + 8, len(text) - 2) if "\ufffd" not in text[j:j + 2])
+    short = text[q:q + 2]
+    o = r.int(3, 12)                                          # Ω and the 3 characters ending in it complete together
+    both = text[:o] + "Ω" + text[o + 1:]
+    cases = [(text, [short, long_stop]), (text, [long_stop, short]), (text, [long_stop]),
+             (both, ["Ω", both[o - 2:o + 1], long_stop])]
+    for text, stops in cases:
+        ids = tok.encode(text)
+        stream = m.TextStream(tok, stops)
+        got = []
+        for i, t in enumerate(ids):
+            got.append(stream.push(t, finished=i == len(ids) - 1))
+            if stream.stopped:
+                break
+        want, stopped = _card_deltas(tok, ids, stops, max(len(s) for s in stops) - 1)
+        if got == want and stream.stopped == stopped:
+            continue
+        hint = ""
+        joined = "".join(got)
+        if "\ufffd" in joined:
+            hint = "逐个 token 单独解码再拼接"
+        elif got == _card_deltas(tok, ids, stops, 0)[0]:
+            hint = "流式输出先漏出了 stop 字符串的前半截（没有留出 len(stop) - 1 个字符的缓冲）"
+        elif got == _card_deltas(tok, ids, stops, min(len(s) for s in stops) - 1)[0]:
+            hint = "按最短的 stop 算了 hold：更长的 stop 还可能正在形成，要扣住 max(len(s)) − 1 个字符"
+        elif got == _card_deltas(tok, ids, stops, len(max(stops, key=len)) - 1, first_listed=True)[0]:
+            hint = "截在列表里第一个命中的 stop 处，而不是文本里最早出现的那个"
+        raise AssertionError(f"TextStream(stop={stops!r}) 逐 token 的增量：\n  得到 {got}\n  期望 {want}"
+                             f"（stopped={stopped}）" + (f"\n  看起来像易错点：{hint}" if hint else "") + f"\n  {r}")
+
+
+BOOL = "bool 被当成了数字（isinstance(True, int) 为真）"
+NUMBERS = "数值只查了下限，没有按引擎放得下的范围校验（seed < 2**64、top_k < 2**63 由 SamplingParams 挡住）"
+EMPTY_STOP = "空的 stop 字符串被收下了（\"\" 在任何文本的开头都命中，输出永远是空的）"
+SURROGATE = "JSON 里的孤立代理字符（\"\\ud800\"）没有在 tokenizer 之前挡住，变成了 500"
+DEEP = "json.loads 的 RecursionError 没有捕获（它不是 JSONDecodeError），变成了 500"
+BAD = [  # (what, endpoint, body, the field the error must name, the classic mistake {status or "code": ...}, code)
+    ("非法 JSON", "completions", b'{"model": "tiny", "prompt": ', None, None, "invalid_json"),
+    ("嵌套 100000 层的 JSON", "completions", b"[" * 100000 + b"]" * 100000, None, {500: DEEP}, "invalid_json"),
+    ("body 不是对象", "completions", [1, 2], None, None, None),
+    ("缺 model", "completions", {"model": None, "prompt": "hi"}, "model", None, None),
+    ("空 prompt", "completions", {"prompt": ""}, "prompt", None, None),
+    ("缺 prompt", "completions", {}, "prompt", None, None),
+    ("超长 prompt", "completions", {"prompt": "a" * MAX_MODEL_LEN}, "prompt", None, "context_length_exceeded"),
+    ("孤立代理字符的 prompt", "completions", b'{"model": "tiny", "prompt": "a\\ud800b"}', "prompt", {500: SURROGATE}, None),
+    ("孤立代理字符的 message", "chat/completions",
+     b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}', "messages[0]", {500: SURROGATE}, None),
+    ("孤立代理字符的 stop", "completions", b'{"model": "tiny", "prompt": "hi", "stop": ["\\ud800"]}', "stop",
+     {500: SURROGATE}, None),
+    ("未知字段", "completions", {"prompt": "hi", "temprature": 0.5}, "temprature", "未知字段被悄悄忽略",
+     "unknown_parameter"),
+    ("temperature < 0", "completions", {"prompt": "hi", "temperature": -1}, "temperature", None, None),
+    ("top_p = 0", "completions", {"prompt": "hi", "top_p": 0}, "top_p", None, None),
+    ("min_p > 1", "completions", {"prompt": "hi", "min_p": 1.5}, "min_p", None, None),
+    ("top_k 是字符串", "completions", {"prompt": "hi", "top_k": "5"}, "top_k", None, "invalid_type"),
+    ("top_k = 2**63", "completions", {"prompt": "hi", "top_k": 2**63}, "top_k", {200: NUMBERS, 500: NUMBERS}, None),
+    ("max_tokens 是 true", "completions", {"prompt": "hi", "max_tokens": True}, "max_tokens", {"code": BOOL},
+     "invalid_type"),
+    ("n 是 true", "completions", {"prompt": "hi", "n": True}, "n", {200: BOOL, "code": BOOL}, "invalid_type"),
+    ("max_tokens = 0", "completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens", None, None),
+    ("prompt + max_tokens 超过上下文", "completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens", None,
+     "context_length_exceeded"),
+    ("seed < 0", "completions", {"prompt": "hi", "seed": -3}, "seed", None, None),
+    ("seed = 2**64", "completions", {"prompt": "hi", "seed": 2**64}, "seed", {200: NUMBERS, 500: NUMBERS}, None),
+    ("n = 2", "completions", {"prompt": "hi", "n": 2}, "n", None, None),
+    ("stop 是数字", "completions", {"prompt": "hi", "stop": 5}, "stop", None, "invalid_type"),
+    ("stop 是空字符串", "completions", {"prompt": "hi", "stop": ""}, "stop", EMPTY_STOP, None),
+    ("stop 里有空字符串", "completions", {"prompt": "hi", "stop": ["x", ""]}, "stop", EMPTY_STOP, None),
+    ("越界的 token id", "completions", {"prompt": [1, 99999]}, "prompt", None, None),
+    ("stream 是字符串", "completions", {"prompt": "hi", "stream": "yes"}, "stream", None, "invalid_type"),
+    ("stream_options 没有 stream", "completions", {"prompt": "hi", "stream_options": {"include_usage": True}},
+     "stream_options", None, None),
+    ("空 messages", "chat/completions", {"messages": []}, "messages", None, None),
+    ("未知的 role", "chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0]", None, None),
+]
+
+
+def _openai_error(a, what: str, status: int, mistake: str | None = None) -> dict:
+    """The error object of response `a`, which must have `status` and OpenAI's shape with a non-empty code."""
+    hint = f"\n  看起来像易错点：{mistake}" if mistake else ""
+    assert a.status_code == status, f"{what} 应得到 {status}，得到 {a.status_code}: {a.text[:300]}{hint}"
+    try:
+        error = a.json().get("error")
+    except (ValueError, AttributeError):
+        error = None
+    assert isinstance(error, dict) and error.get("message") and error.get("type"), \
+        (f"{what} 的错误应是 OpenAI 格式 {{'error': {{'message', 'type', 'param', 'code'}}}}，得到 {a.text[:300]}"
+         + ("\n  看起来像易错点：FastAPI 默认的 {'detail': ...} 没有换成 OpenAI 的错误格式" if '"detail"' in a.text else ""))
+    assert isinstance(error.get("code"), str) and error["code"], \
+        f"{what} 的错误应带机器可读的 code（OpenAI 的 model_not_found、invalid_type ……），得到 {error.get('code')!r}"
+    return error
+
+
+def _background_stream(url: str, max_tokens: int) -> tuple[threading.Thread, dict]:
+    """A streaming request read on a thread; the dict gets 'frames' (or 'error') when it ends."""
+    import httpx
+    out: dict = {}
+
+    def read():
+        body = {"model": MODEL, "prompt": "ok", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as resp:
+                out["frames"] = [f for f in resp.read().decode().split("\n\n") if f]
+        except Exception as exc:   # noqa: BLE001  a cut stream is what the check reports
+            out["error"] = repr(exc)
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def _assert_stream_completed(out: dict, max_tokens: int, what: str) -> None:
+    frames = out.get("frames")
+    assert frames is not None, f"{what}：同时在跑的正常流被打断了（{out.get('error')}）：一个坏请求不能连累别人"
+    assert frames[-1] == "data: [DONE]", f"{what}：同时在跑的正常流没有以 [DONE] 结束：{frames[-2:]}"
+    usage = json.loads(frames[-2][6:]).get("usage") or {}
+    assert usage.get("completion_tokens") == max_tokens, f"{what}：同时在跑的正常流应生成 {max_tokens} 个 token：{usage}"
+
+
+@point("坏请求（类型、范围、超大数字、空 stop、孤立代理字符、过深 JSON、非 JSON、未知路径）各得到 OpenAI 格式的 4xx、点名字段、带 code，同时在跑的流不受影响")
+def test_bad_requests_get_400():
+    import httpx
+    url, r = _live(), Rand()
+    cases = r.py.sample(BAD, len(BAD))
+    stream, out = _background_stream(url, 64)
+    with httpx.Client(base_url=url, timeout=30) as client:
+        for what, endpoint, body, field, mistake, code in cases:
+            if isinstance(body, dict):
+                body = json.dumps({"model": MODEL, **body}).encode()
+            elif not isinstance(body, bytes):
+                body = json.dumps(body).encode()
+            a = client.post(f"/v1/{endpoint}", content=body, headers={"Content-Type": "application/json"})
+            mistake = mistake if isinstance(mistake, dict) else {200: mistake}
+            error = _openai_error(a, f"坏请求「{what}」", 400, mistake.get(a.status_code))
+            assert error.get("type") == "invalid_request_error", f"「{what}」的 type 应为 invalid_request_error：{a.text}"
+            assert error.get("param") == field, f"「{what}」的错误应点名字段 {field!r}，param 是 {error.get('param')!r}"
+            assert code is None or error["code"] == code, (f"「{what}」的 code 应为 {code!r}，得到 {error['code']!r}"
+                                                           + (f"\n  看起来像易错点：{mistake['code']}"
+                                                              if mistake.get("code") else ""))
+        wrong = client.post("/v1/completions", json={"model": "gpt-4", "prompt": "hi"})
+        error = _openai_error(wrong, "未知模型", 404)
+        assert error["param"] == "model" and error["code"] == "model_not_found", f"未知模型：{wrong.text}"
+        for media in ("text/plain", None):      # a text/plain POST needs no CORS preflight: any web page could send it
+            headers = {"Content-Type": media} if media else {}
+            a = client.post("/v1/completions", content=json.dumps({"model": MODEL, "prompt": "hi"}), headers=headers)
+            _openai_error(a, f"Content-Type {media or '缺失'} 的请求", 415,
+                          "只收 application/json：text/plain 的 POST 不需要 CORS 预检，任何网页都能让浏览器替它发请求")
+        _openai_error(client.post("/v1/nothing", json={}), "未知路径 POST /v1/nothing", 404)
+        _openai_error(client.get("/v1/completions"), "GET /v1/completions（方法不对）", 405)
+        tokens = []
+        for t in (0, 1e-40):                    # 1e-40 is 0 in fp32: logits / T = inf, NaN probabilities
+            a = client.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 6,
+                                                     "temperature": t, "ignore_eos": True, "return_token_ids": True})
+            assert a.status_code == 200, f"temperature={t}：{a.text[:300]}"
+            tokens.append(a.json()["choices"][0]["token_ids"])
+        assert tokens[0] == tokens[1], (f"temperature=1e-40 应与 greedy（0）相同，得到 {tokens[1]}，greedy {tokens[0]}"
+                                        "\n  看起来像易错点：极小的正 temperature 没有当成 greedy（e01 的 SamplingParams）")
+        stream.join(30)
+        _assert_stream_completed(out, 64, "坏请求期间")
+        assert client.get("/health").json()["status"] == "ok", "坏请求之后服务应仍然健康"
+        ok = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3,
+                                                  "ignore_eos": True})     # random weights may sample eos first
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3, f"坏请求之后的正常请求：{ok.text}"
+
+
+class _WatchedTokenizer:
+    """The byte tokenizer, recording the longest text it was asked to encode; a text with SLOW takes `slow` s."""
+
+    def __init__(self, tok):
+        self._tok, self.longest, self.slow = tok, 0, 0.0
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def _seen(self, text):
+        self.longest = max(self.longest, len(text) if isinstance(text, str) else sum(len(m["content"]) for m in text))
+        if "SLOW" in str(text):
+            time.sleep(self.slow)
+
+    def encode(self, text, *args, **kwargs):
+        self._seen(text)
+        return self._tok.encode(text, *args, **kwargs)
+
+    def apply_chat_template(self, messages, *args, **kwargs):
+        self._seen(messages)
+        return self._tok.apply_chat_template(messages, *args, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _watched_server():
+    from course.runtime.serve import BackgroundServer
+    m = impl(MODULE)
+    llm = _e05_llm(max_num_seqs=4, num_kvcache_blocks=64)
+    llm.tokenizer = watched = _WatchedTokenizer(llm.tokenizer)
+    engine = m.AsyncEngine(llm)
+    return BackgroundServer(m.build_app(engine.start(), MODEL)).url, watched
+
+
+@point("大请求不卡住服务：超限的 body 得 413，超长的 prompt 不经 tokenizer 就得 400，tokenize 不在事件循环上")
+def test_large_requests():
+    import httpx
+    m = impl(MODULE)
+    _probe()
+    url, watched = _watched_server()
+    limit = m.MAX_BODY_BYTES
+    bound = MAX_MODEL_LEN * max(map(len, watched.get_vocab()))         # characters no prompt that fits can pass
+    with httpx.Client(base_url=url, timeout=30) as client:
+        a = client.post("/v1/completions", json={"model": MODEL, "prompt": "a" * (limit + 1000)})
+        _openai_error(a, f"{limit + 1000} 字节的 body（上限 MAX_BODY_BYTES = {limit}）", 413,
+                      "没有限制 body 的大小：整个 body 读进内存、json.loads、再交给 tokenizer")
+        n = bound + 1000
+        for endpoint, body, field in (("completions", {"prompt": "a" * n}, "prompt"),
+                                      ("chat/completions", {"messages": [{"role": "user", "content": "a" * n}]},
+                                       "messages")):
+            watched.longest = 0
+            a = client.post(f"/v1/{endpoint}", json={"model": MODEL, **body})
+            error = _openai_error(a, f"{n} 个字符的 {field}", 400)
+            assert error.get("param") == field and error["code"] == "context_length_exceeded", a.text[:300]
+            assert watched.longest < n, (f"{n} 个字符的 {field} 被交给了 tokenizer（一个 token 最多 "
+                                         f"{bound // MAX_MODEL_LEN} 个字符，它不可能放进 {MAX_MODEL_LEN} 个 token）"
+                                         "\n  看起来像易错点：tokenize 之前没有按字符数挡住超长的 prompt")
+        fits = "<|im_start|>" * 1000            # 12000 characters but 1000 tokens: characters are not tokens
+        a = client.post("/v1/completions", json={"model": MODEL, "prompt": fits, "max_tokens": 2})
+        assert a.status_code == 200, (f"12000 个字符、1000 个 token 的 prompt 放得进 {MAX_MODEL_LEN} 的上下文，"
+                                      f"却被拒绝：{a.text[:300]}\n  看起来像易错点：把字符数当成了 token 数"
+                                      "（字符上限要用 longest_token(tokenizer)，一个特殊 token 就有十几个字符）")
+
+    watched.slow = 2.0
+    slow = threading.Thread(target=lambda: httpx.post(url + "/v1/completions", timeout=30,
+                                                      json={"model": MODEL, "prompt": "SLOW", "max_tokens": 2}))
+    slow.start()
+    time.sleep(0.3)
+    waits = []
+    for _ in range(3):
+        t = time.monotonic()
+        httpx.get(url + "/health", timeout=30)
+        waits.append(time.monotonic() - t)
+    slow.join(30)
+    watched.slow = 0.0
+    assert max(waits) < 1.0, (f"tokenizer 花 2 s 编码一个 prompt 时，/health 等了 {max(waits):.2f} s：整个服务停住了"
+                              "\n  看起来像易错点：在事件循环上 tokenize（json.loads、parse_request 要放到工作线程里）")
+
+
 @point("openai 客户端：completion 与 chat、流式与非流式，token 与同一 seed 的 LLM.generate 逐个相同，usage 正确")
 def test_openai_client_matches_generate():
     e01 = impl("e01_sampling")
@@ -188,9 +516,16 @@ def test_openai_client_matches_generate():
                 call = functools.partial(client.completions.create, prompt=user)
             ref = _reference([prompt], [_params(e01, s, top_k=max(top_k, 0))])[0]
             opts = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
-            out = call(model=MODEL, **s, **opts)
+            sent = dict(s)
+            if chat and stream:                         # chat's own name for it wins over max_tokens
+                sent |= {"max_completion_tokens": s["max_tokens"], "max_tokens": s["max_tokens"] + 7}
+            out = call(model=MODEL, **sent, **opts)
             if stream:
                 chunks = list(out)
+                if chat:
+                    first = chunks[0].choices[0].delta if chunks[0].choices else None
+                    assert first is not None and first.role == "assistant" and not first.content, \
+                        f"chat 的流应先发一帧只带 role 的 delta {{'role': 'assistant', 'content': ''}}，得到 {chunks[0]}"
                 finals = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
                 assert len(finals) == 1, f"{what}：应有且只有一个带 finish_reason 的 chunk，得到 {len(finals)} 个"
                 pieces = [(c.choices[0].delta.content or "") if chat else c.choices[0].text for c in chunks if c.choices]
@@ -323,61 +658,6 @@ def test_burst_gets_503():
     assert h["free_blocks"] == h["total_blocks"], f"突发过后 block 没有全部归还：{h}"
 
 
-BAD = [  # (what, endpoint, body, the field the error must name, the classic mistake when it is accepted)
-    ("非法 JSON", "completions", b'{"model": "tiny", "prompt": ', None, None),
-    ("body 不是对象", "completions", [1, 2], None, None),
-    ("缺 model", "completions", {"model": None, "prompt": "hi"}, "model", None),
-    ("空 prompt", "completions", {"prompt": ""}, "prompt", None),
-    ("缺 prompt", "completions", {}, "prompt", None),
-    ("超长 prompt", "completions", {"prompt": "a" * MAX_MODEL_LEN}, "prompt", None),
-    ("未知字段", "completions", {"prompt": "hi", "temprature": 0.5}, "temprature", "未知字段被悄悄忽略"),
-    ("temperature < 0", "completions", {"prompt": "hi", "temperature": -1}, "temperature", None),
-    ("top_p = 0", "completions", {"prompt": "hi", "top_p": 0}, "top_p", None),
-    ("min_p > 1", "completions", {"prompt": "hi", "min_p": 1.5}, "min_p", None),
-    ("top_k 是字符串", "completions", {"prompt": "hi", "top_k": "5"}, "top_k", None),
-    ("max_tokens 是 true", "completions", {"prompt": "hi", "max_tokens": True}, "max_tokens", None),
-    ("n 是 true", "completions", {"prompt": "hi", "n": True}, "n", "bool 被当成了数字（isinstance(True, int) 为真）"),
-    ("max_tokens = 0", "completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens", None),
-    ("prompt + max_tokens 超过上下文", "completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens", None),
-    ("seed < 0", "completions", {"prompt": "hi", "seed": -3}, "seed", None),
-    ("n = 2", "completions", {"prompt": "hi", "n": 2}, "n", None),
-    ("stop 是数字", "completions", {"prompt": "hi", "stop": 5}, "stop", None),
-    ("越界的 token id", "completions", {"prompt": [1, 99999]}, "prompt", None),
-    ("stream 是字符串", "completions", {"prompt": "hi", "stream": "yes"}, "stream", None),
-    ("stream_options 没有 stream", "completions", {"prompt": "hi", "stream_options": {"include_usage": True}},
-     "stream_options", None),
-    ("空 messages", "chat/completions", {"messages": []}, "messages", None),
-    ("未知的 role", "chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0]", None),
-]
-
-
-@point("20 个坏请求各得到 400，错误信息点名字段，服务照常")
-def test_bad_requests_get_400():
-    import httpx
-    url, r = _live(), Rand()
-    cases = r.py.sample(BAD, len(BAD))
-    assert len(cases) >= 20
-    with httpx.Client(base_url=url, timeout=30) as client:
-        for what, endpoint, body, field, mistake in cases:
-            if isinstance(body, dict):
-                body = json.dumps({"model": MODEL, **body}).encode()
-            elif not isinstance(body, bytes):
-                body = json.dumps(body).encode()
-            a = client.post(f"/v1/{endpoint}", content=body, headers={"Content-Type": "application/json"})
-            hint = f"\n  看起来像易错点：{mistake}" if mistake and a.status_code == 200 else ""
-            assert a.status_code == 400, f"坏请求「{what}」应得到 400，得到 {a.status_code}: {a.text[:300]}{hint}"
-            error = a.json().get("error") or {}
-            assert error.get("message") and error.get("type") == "invalid_request_error", \
-                f"「{what}」的错误应是 OpenAI 风格 {{'error': {{'message', 'type', 'param', 'code'}}}}：{a.text}"
-            assert error.get("param") == field, f"「{what}」的错误应点名字段 {field!r}，param 是 {error.get('param')!r}"
-        wrong = client.post("/v1/completions", json={"model": "gpt-4", "prompt": "hi"})
-        assert wrong.status_code == 404 and wrong.json()["error"]["param"] == "model", f"未知模型应得到 404：{wrong.text}"
-        assert client.get("/health").json()["status"] == "ok", "坏请求之后服务应仍然健康"
-        ok = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3,
-                                                  "ignore_eos": True})     # random weights may sample eos first
-        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3, f"坏请求之后的正常请求：{ok.text}"
-
-
 @point("stop 字符串与 stop token id：在 stop 处截断（流式也不漏出前半截），finish_reason 为 stop")
 def test_stop_strings_and_ids():
     url, r = _live(), Rand()
@@ -458,3 +738,151 @@ def test_card_example():
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 3,
                                                                   "total_tokens": 5}, f"usage chunk：{chunks[-1]}"
     assert {c["object"] for c in chunks} == {"text_completion"} and len({c["id"] for c in chunks}) == 1, chunks
+
+
+class _Patched:
+    """Replace methods of one engine's LLM for the length of a `with` (the engine thread sees the instance attribute)."""
+
+    def __init__(self, llm, **methods):
+        self.llm, self.methods = llm, methods
+
+    def __enter__(self):
+        for name, fn in self.methods.items():
+            setattr(self.llm, name, fn)
+        return self
+
+    def __exit__(self, *exc):
+        for name in self.methods:
+            self.llm.__dict__.pop(name, None)
+
+
+SECRET = "secret-internal-detail-7f3a"
+
+
+@point("引擎的某一步抛异常：在途的请求各自得到 500 或 SSE 错误事件 + [DONE]（不外泄异常文本），block 归还，服务照常")
+def test_engine_step_failure():
+    import httpx
+    url = _live()
+    llm, armed, fired = _server()[1].llm, threading.Event(), threading.Event()
+    real_step = llm.step
+
+    def step():
+        if armed.is_set():
+            armed.clear()
+            fired.set()
+            raise RuntimeError(SECRET)
+        return real_step()
+
+    body = {"model": MODEL, "prompt": "ok", "max_tokens": 600, "ignore_eos": True}
+
+    async def both():
+        async with httpx.AsyncClient(timeout=12) as client:
+            async def streamed():
+                frames = []
+                try:
+                    async with client.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as resp:
+                        async for line in resp.aiter_lines():
+                            if not line:
+                                continue
+                            frames.append(line)
+                            if len(frames) == 2:            # both requests are in the engine: fail its next step
+                                await _until(lambda: _health(url)["unfinished"] == 2)
+                                armed.set()
+                except httpx.TransportError as exc:
+                    frames.append(f"<连接被断开：{exc!r}>")
+                return frames
+
+            both = asyncio.gather(streamed(), client.post(url + "/v1/completions", json=body))
+            while not both.done():                      # a dead engine thread would leave both waiting forever
+                await asyncio.wait({both}, timeout=0.2)
+                if fired.is_set() and (await client.get(url + "/health")).json()["status"] != "ok":
+                    both.cancel()
+                    raise AssertionError("step() 抛异常之后引擎线程退出了，在途和之后的请求都不会再有回应"
+                                         "\n  看起来像易错点：_loop 没有捕获 step() 的异常")
+            return both.result()
+
+    _wait_idle(url, 5)
+    with _Patched(llm, step=step):
+        frames, unary = asyncio.run(asyncio.wait_for(both(), 15))
+    h = _wait_idle(url, 5, until_engine_idle=True)
+    assert SECRET not in unary.text and not any(SECRET in f for f in frames), \
+        f"引擎的异常文本被发给了客户端：{unary.text[:200]} / {frames[-2:]}\n  看起来像易错点：500 的 message 用了 str(exc)"
+    _openai_error(unary, "step() 失败时在途的非流式请求", 500)
+    tail = frames[-2:]
+    error = json.loads(tail[0][6:]).get("error") if tail and tail[0].startswith("data: {") else None
+    assert tail[-1:] == ["data: [DONE]"] and isinstance(error, dict) and error.get("message"), (
+        f"200 之后出的错要写进流里：一帧 data: {{\"error\": {{...}}}}，再 data: [DONE]；得到最后两帧 {tail}"
+        "\n  看起来像易错点：sse_frames 没有把 run_request 的异常变成 SSE 错误事件（流被直接截断）")
+    leaked = h["free_blocks"] < h["total_blocks"]
+    assert h["unfinished"] == 0 and not leaked, (f"step() 失败后在途的请求应被 abort：{h}" + (
+        "\n  看起来像易错点：出错的请求没有 llm.abort，block 没有归还" if leaked else ""))
+    assert h["pending"] == 0, f"step() 失败、引擎空闲之后在途计数应归零：{h}"
+    ok = httpx.post(url + "/v1/completions", json={**body, "max_tokens": 3}, timeout=30)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3, f"出错之后的正常请求：{ok.text}"
+
+
+async def _until(ready, seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while not ready() and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+
+
+@point("被引擎拒绝的请求（400）不占准入名额：连续 9 个之后服务照常收下请求")
+def test_refused_requests_free_their_slot():
+    import httpx
+    url = _live(max_pending=4, max_num_seqs=2)
+    _wait_idle(url, until_engine_idle=True)
+    with httpx.Client(base_url=url, timeout=30) as client:
+        for i in range(9):                      # valid JSON, refused by llm.add_request: out of the vocabulary
+            a = client.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 10**6 + i]})
+            mistake = ("引擎拒绝的请求（add 收到 add_request 的 ValueError）没有 release：每个 400 都永久占掉一个名额"
+                       if a.status_code == 503 else None)
+            _openai_error(a, f"第 {i + 1} 个越界 token id 的请求", 400, mistake)
+        h = _health(url)
+        assert h["pending"] == 0, (f"9 个请求都被拒绝了，在途计数却是 {h['pending']}\n  看起来像易错点："
+                                   "引擎拒绝的请求（add 收到 add_request 的 ValueError）没有 release")
+        ok = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "ignore_eos": True})
+        assert ok.status_code == 200, f"拒绝过的请求之后应照常收下请求，得到 {ok.status_code}: {ok.text[:200]}"
+
+
+@point("引擎线程在两步之间取完全部命令：同时到达的请求进入同一步")
+def test_commands_batched_per_step():
+    import httpx
+    url, r = _live(), Rand()
+    engine = _server()[1]
+    llm, gate, inside = engine.llm, threading.Event(), threading.Event()
+    real_step, real_add, added = llm.step, llm.add_request, []
+
+    def step():
+        if not inside.is_set():                 # the first step waits until the others are queued
+            inside.set()
+            gate.wait(14)
+        return real_step()
+
+    def add_request(*args, **kwargs):
+        added.append(llm.stats["steps"])
+        return real_add(*args, **kwargs)
+
+    k = r.int(3, 6)
+
+    async def run():
+        async with httpx.AsyncClient(timeout=30, base_url=url) as client:
+            send = lambda i: client.post("/v1/completions", json={"model": MODEL, "prompt": f"r{i}", "max_tokens": 3,
+                                                                  "ignore_eos": True})
+            first = asyncio.ensure_future(send(0))
+            await _until(inside.is_set)
+            rest = [asyncio.ensure_future(send(i)) for i in range(1, k + 1)]
+            await _until(lambda: engine.commands.qsize() >= k, 10)
+            gate.set()
+            return await asyncio.gather(first, *rest)
+
+    assert _wait_idle(url, 10, until_engine_idle=True)["status"] == "ok", "引擎线程已经退出"
+    try:
+        with _Patched(llm, step=step, add_request=add_request):
+            answers = asyncio.run(asyncio.wait_for(run(), 17))
+    finally:
+        gate.set()
+    assert [a.status_code for a in answers] == [200] * (k + 1), [a.text[:100] for a in answers]
+    assert len(set(added[1:])) == 1, (f"{k} 个请求在同一步期间到达，应在下一步之前全部 add_request（同一个步数），"
+                                      f"实际 add_request 时的步数 {added[1:]}\n  看起来像易错点：_apply_commands 没有一次"
+                                      "取完队列里的命令（每次只取一个：要一直取到 queue.Empty），请求一步一个地进入引擎")

@@ -7,21 +7,29 @@
     client gone → engine.release(handle) → "abort" → blocks and GDN slot back before the next step
 
 Tokens, not text, cross the thread boundary; the HTTP side decodes them (whole characters only) and cuts stop
-strings. Errors follow OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+strings. Parsing (JSON, chat template, tokenizer) runs on a worker thread, never on the event loop. Every error follows
+OpenAI's shape, {"error": {"message", "type", "param", "code"}}: before the 200 as a JSON response (4xx for bad
+input), after it as an SSE error event that ends the stream. One bad request never fails another.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import hmac
 import json
+import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from .e01_sampling import SamplingParams
 
@@ -33,18 +41,41 @@ FIELDS = {False: {"prompt": (str, list), **COMMON},                             
           True: {"messages": list, "max_completion_tokens": INT, **COMMON}}          # /v1/chat/completions
 RETRY_AFTER_S = 1                                    # what a 503 tells the client to wait
 SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos")
+MAX_BODY_BYTES = 4 * 2**20                           # a larger body is refused (413) before it is read in full
+log = logging.getLogger("course.serve")
 
 
 class RequestError(ValueError):
-    """A bad request: HTTP 400 (404 for an unknown model) with a message naming the field `param`."""
+    """A bad request: HTTP 400 (404 unknown model, 413 too large, ...) with a message naming the field `param`
+    and OpenAI's machine-readable `code` (unknown_parameter, invalid_type, model_not_found, ...)."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str = "invalid_value"):
         super().__init__(message)
-        self.param, self.status = param, status
+        self.param, self.status, self.code = param, status, code
 
 
 class Overloaded(RuntimeError):
     """Too many requests in flight: HTTP 503 with Retry-After."""
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running this request: HTTP 500, or an SSE error event once the stream has begun.
+    The cause goes to the server log, never to the client."""
+
+
+@functools.lru_cache(maxsize=8)
+def longest_token(tokenizer) -> int:
+    """The most characters one token can stand for: a text longer than max_model_len * this cannot fit."""
+    return max(map(len, tokenizer.get_vocab()), default=1)
+
+
+def _unicode(text: str, param: str) -> str:
+    """`text` itself when it is valid Unicode; JSON's "\\ud800" (a lone surrogate) is not, and no tokenizer takes it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError(f"{param} is not valid Unicode (a lone surrogate such as \\ud800)", param) from None
+    return text
 
 
 @dataclass
@@ -211,32 +242,63 @@ async def complete(engine: AsyncEngine, handle: Handle, req: ParsedRequest, mode
     return _body(req, handle, model, [_choice(req, "".join(parts), finish)], True)
 
 
-def error_response(exc: Exception) -> JSONResponse:
-    """OpenAI's error JSON: 400/404 for a RequestError, 503 + Retry-After when overloaded, else 500."""
+def error_body(exc: Exception) -> tuple[int, dict]:
+    """(HTTP status, OpenAI's error object) for `exc`: a RequestError's own status, 503 when overloaded, else 500
+    with a fixed message (an engine's exception text stays in the server log)."""
     if isinstance(exc, RequestError):
-        kind, status, param, headers = "invalid_request_error", exc.status, exc.param, None
+        status, kind, message, param, code = exc.status, "invalid_request_error", str(exc), exc.param, exc.code
     elif isinstance(exc, Overloaded):
-        kind, status, param, headers = "server_overloaded", 503, None, {"Retry-After": str(RETRY_AFTER_S)}
+        status, kind, message, param, code = 503, "server_overloaded", str(exc), None, "server_overloaded"
     else:
-        kind, status, param, headers = "internal_error", 500, None, None
-    body = {"error": {"message": str(exc), "type": kind, "param": param, "code": None}}
-    return JSONResponse(body, status_code=status, headers=headers)
+        status, kind, param, code = 500, "internal_error", None, "internal_error"
+        message = "the engine failed while running this request; the server log has the details"
+    return status, {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
-    """The HTTP surface: /v1/completions, /v1/chat/completions, /v1/models, /health."""
+def error_response(exc: Exception) -> Response:
+    """OpenAI's error JSON with its status; 503 adds Retry-After. ASCII-escaped: a lone surrogate a client sent
+    (in a field name, say) cannot break the answer that refuses it."""
+    status, body = error_body(exc)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    return Response(json.dumps(body), status_code=status, headers=headers, media_type="application/json")
+
+
+def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
+              max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The HTTP surface: /v1/completions, /v1/chat/completions, /v1/models, /health.
+
+    With `api_key`, every /v1 route wants "Authorization: Bearer <api_key>" (401 otherwise); /health stays open.
+    """
     app = FastAPI(title="course engine (OpenAI-compatible)")
     max_model_len = engine.llm.config.max_model_len
+    parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parse")    # one thread: the tokenizer's only user
+
+    def parse(raw: bytes, chat: bool) -> ParsedRequest:
+        """On the parser thread: JSON (strict: no NaN, depth-bounded), then parse_request (template, tokenizer)."""
+        try:
+            body = json.loads(raw, parse_constant=_no_constant)
+        except (ValueError, RecursionError) as exc:    # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise RequestError(f"the body is not valid JSON: {str(exc)[:200]}", code="invalid_json") from None
+        return parse_request(body, chat, engine.llm.tokenizer, model_name, max_model_len)
+
+    def check_client(request: Request, body: bool) -> None:
+        """401 without the API key; 415 unless the body is JSON (a text/plain POST needs no CORS preflight)."""
+        if api_key is not None and not hmac.compare_digest(request.headers.get("authorization", "").encode(),
+                                                           f"Bearer {api_key}".encode()):
+            raise RequestError("a valid API key is needed: Authorization: Bearer <key>", status=401,
+                               code="invalid_api_key")
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if body and media != "application/json":
+            raise RequestError(f"the body must be application/json, got {media or 'no Content-Type'!r}",
+                               status=415, code="unsupported_media_type")
 
     async def generate(request: Request, chat: bool):
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return error_response(RequestError(f"invalid JSON: {exc}"))
-        try:
-            req = parse_request(body, chat, engine.llm.tokenizer, model_name, max_model_len)
+            check_client(request, body=True)
+            raw = await _read_body(request, max_body_bytes)
+            req = await asyncio.get_running_loop().run_in_executor(parser, parse, raw, chat)
             handle = await engine.add(req.prompt_ids, req.params)
-        except (RequestError, Overloaded) as exc:
+        except (RequestError, Overloaded, EngineError) as exc:
             return error_response(exc)
         if req.stream:
             return StreamingResponse(sse_frames(engine, handle, req, model_name), media_type="text/event-stream")
@@ -251,9 +313,24 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
         return await generate(request, chat=True)
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        try:
+            check_client(request, body=False)
+        except RequestError as exc:
+            return error_response(exc)
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "course",
                                             "max_model_len": max_model_len}]}
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):       # unknown path, wrong method: OpenAI's shape
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
+        return error_response(RequestError(f"{request.method} {request.url.path}: {exc.detail}",
+                                           status=exc.status_code, code=code))
+
+    @app.exception_handler(Exception)
+    async def crash(request: Request, exc: Exception):                 # a bug: a 500 in OpenAI's shape, no traceback
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(EngineError())
 
     @app.get("/health")
     async def health():
@@ -261,6 +338,27 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
         return JSONResponse({"status": "ok" if ok else "engine stopped", **engine.stats}, status_code=200 if ok else 503)
 
     return app
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, or RequestError 413 as soon as it (or its Content-Length) passes `limit` bytes."""
+    too_big = RequestError(f"the request body is larger than {limit} bytes", status=413, code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_big
+    body = bytearray()
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_big
+    except ClientDisconnect:                          # nobody is left to answer; no traceback for it
+        raise RequestError("the client left before sending the whole body") from None
+    return bytes(body)
 
 
 async def _unless_disconnected(request: Request, work) -> JSONResponse | None:

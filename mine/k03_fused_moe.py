@@ -25,13 +25,13 @@ import triton.language as tl
 from .m03_sparse_moe import MoEWeights, route, swiglu
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])   # N * top_k changes every prefill step: no recompile
 def _count_kernel(topk_ids_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
     """Program e: counts[e] = how many of the num_pairs flat expert ids equal e."""
     raise NotImplementedError("k03: 请实现 _count_kernel（见 lessons/k03_fused_moe.md）")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _align_kernel(topk_ids_ptr, counts_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
                   num_pairs, num_experts, num_blocks,
                   BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
@@ -51,7 +51,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int,
     raise NotImplementedError("k03: 请实现 moe_align_block_size（见 lessons/k03_fused_moe.md）")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
                     num_pairs, top_k, inter, hidden,
                     stride_xn, stride_xh, stride_ge, stride_gi, stride_gh, stride_ue, stride_ui, stride_uh,
@@ -62,7 +62,7 @@ def _gate_up_kernel(x_ptr, wg_ptr, wu_ptr, h_ptr, sorted_ids_ptr, expert_ids_ptr
     raise NotImplementedError("k03: 请实现 _gate_up_kernel（见 lessons/k03_fused_moe.md）")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(h_ptr, wd_ptr, y_ptr, topk_weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
                  num_pairs, hidden, inter,
                  stride_hm, stride_hi, stride_de, stride_dh, stride_di, stride_ym, stride_yh,

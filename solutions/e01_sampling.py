@@ -22,15 +22,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+GREEDY_BELOW = 1e-5           # a positive temperature below this is greedy (logits / 1e-40 overflow fp32 to inf)
+SEED_LIMIT = 2**64            # torch.Generator.manual_seed holds a seed in [0, 2**64)
+TOP_K_LIMIT = 2**63           # top_k goes into an int64 tensor
+
 
 @dataclass
 class SamplingParams:
     """One request's sampling settings. __post_init__ rejects bad values with a ValueError naming the field."""
-    temperature: float = 1.0      # 0 = greedy (argmax); must be >= 0
-    top_k: int = 0                # 0 = off; else >= 1 (larger than V = off)
+    temperature: float = 1.0      # 0 = greedy (argmax); must be >= 0; below GREEDY_BELOW stored as 0
+    top_k: int = 0                # 0 = off; else in [1, TOP_K_LIMIT) (larger than V = off)
     top_p: float = 1.0            # (0, 1]; 1 = off
     min_p: float = 0.0            # [0, 1]; 0 = off
-    seed: int | None = None       # per-request generator; same seed -> same tokens whatever else is in the batch
+    seed: int | None = None       # [0, SEED_LIMIT); same seed -> same tokens whatever else is in the batch
     max_tokens: int = 64          # >= 1
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -39,7 +43,9 @@ class SamplingParams:
         """Validate every field; raise ValueError("<field> must ..., got <value>") on the first bad one.
 
         Numbers must be real numbers (bool and str are rejected); ints are accepted for float fields and
-        converted. stop_token_ids may be any list/tuple of non-negative ints and is stored as a list.
+        converted. Every value must fit where the engine puts it (seed < SEED_LIMIT, top_k < TOP_K_LIMIT), so a
+        bad request fails here, alone, and never inside a batched step. A temperature in (0, GREEDY_BELOW) is
+        stored as 0.0 (greedy). stop_token_ids may be any list/tuple of non-negative ints and is stored as a list.
         """
         for name in ("temperature", "top_p", "min_p"):
             value = getattr(self, name)
@@ -52,8 +58,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be an int, got {value!r}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be 0 (off) or at least 1, got {self.top_k!r}")
+        if self.temperature < GREEDY_BELOW:          # 1e-40 would be 0 in fp32: logits / T = inf, probs NaN
+            self.temperature = 0.0
+        if not 0 <= self.top_k < TOP_K_LIMIT:
+            raise ValueError(f"top_k must be 0 (off) or in [1, 2**63), got {self.top_k!r}")
         if not 0 < self.top_p <= 1:                   # also rejects NaN
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not 0 <= self.min_p <= 1:
@@ -61,8 +69,8 @@ class SamplingParams:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)
-                                      or self.seed < 0):
-            raise ValueError(f"seed must be None or an int >= 0, got {self.seed!r}")
+                                      or not 0 <= self.seed < SEED_LIMIT):
+            raise ValueError(f"seed must be None or an int in [0, 2**64), got {self.seed!r}")
         if not isinstance(self.stop_token_ids, (list, tuple)):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         for token in self.stop_token_ids:

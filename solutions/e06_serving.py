@@ -7,21 +7,29 @@
     client gone → engine.release(handle) → "abort" → blocks and GDN slot back before the next step
 
 Tokens, not text, cross the thread boundary; the HTTP side decodes them (whole characters only) and cuts stop
-strings. Errors follow OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+strings. Parsing (JSON, chat template, tokenizer) runs on a worker thread, never on the event loop. Every error follows
+OpenAI's shape, {"error": {"message", "type", "param", "code"}}: before the 200 as a JSON response (4xx for bad
+input), after it as an SSE error event that ends the stream. One bad request never fails another.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import hmac
 import json
+import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from .e01_sampling import SamplingParams
 
@@ -33,18 +41,41 @@ FIELDS = {False: {"prompt": (str, list), **COMMON},                             
           True: {"messages": list, "max_completion_tokens": INT, **COMMON}}          # /v1/chat/completions
 RETRY_AFTER_S = 1                                    # what a 503 tells the client to wait
 SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos")
+MAX_BODY_BYTES = 4 * 2**20                           # a larger body is refused (413) before it is read in full
+log = logging.getLogger("course.serve")
 
 
 class RequestError(ValueError):
-    """A bad request: HTTP 400 (404 for an unknown model) with a message naming the field `param`."""
+    """A bad request: HTTP 400 (404 unknown model, 413 too large, ...) with a message naming the field `param`
+    and OpenAI's machine-readable `code` (unknown_parameter, invalid_type, model_not_found, ...)."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str = "invalid_value"):
         super().__init__(message)
-        self.param, self.status = param, status
+        self.param, self.status, self.code = param, status, code
 
 
 class Overloaded(RuntimeError):
     """Too many requests in flight: HTTP 503 with Retry-After."""
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running this request: HTTP 500, or an SSE error event once the stream has begun.
+    The cause goes to the server log, never to the client."""
+
+
+@functools.lru_cache(maxsize=8)
+def longest_token(tokenizer) -> int:
+    """The most characters one token can stand for: a text longer than max_model_len * this cannot fit."""
+    return max(map(len, tokenizer.get_vocab()), default=1)
+
+
+def _unicode(text: str, param: str) -> str:
+    """`text` itself when it is valid Unicode; JSON's "\\ud800" (a lone surrogate) is not, and no tokenizer takes it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError(f"{param} is not valid Unicode (a lone surrogate such as \\ud800)", param) from None
+    return text
 
 
 @dataclass
@@ -70,47 +101,58 @@ def parse_request(body: object, chat: bool, tokenizer, model_name: str, max_mode
     fields = FIELDS[chat]
     for name, value in body.items():
         if name not in fields:
-            raise RequestError(f"unknown field {name!r}", name)
+            raise RequestError(f"unknown field {name!r}", name, code="unknown_parameter")
         kind = fields[name]
         ok = isinstance(value, bool) if kind is BOOL else isinstance(value, kind) and not isinstance(value, bool)
         if value is not None and not ok:
-            raise RequestError(f"{name} has the wrong type ({type(value).__name__})", name)
+            raise RequestError(f"{name} has the wrong type ({type(value).__name__})", name, code="invalid_type")
     if body.get("model") is None:
         raise RequestError("model is required", "model")
     if body["model"] != model_name:
         raise RequestError(f"the model {body['model']!r} does not exist; this server has {model_name!r}",
-                           "model", status=404)
+                           "model", status=404, code="model_not_found")
     key = "messages" if chat else "prompt"
     prompt = body.get(key)
     if not prompt:
         raise RequestError(f"{key} must not be empty", key)
+    too_long = RequestError(f"the {key} is longer than this model's context ({max_model_len} tokens)", key,
+                            code="context_length_exceeded")
     if chat:
         for i, m in enumerate(prompt):
             if not (isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
                     and isinstance(m.get("content"), str) and set(m) <= {"role", "content", "name"}):
                 raise RequestError("each message is {'role': system|user|assistant, 'content': str}", f"messages[{i}]")
+            _unicode(m["content"], f"messages[{i}]")
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise RequestError("this model has no chat template; use /v1/completions", "messages")
-        prompt = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        if sum(len(m["content"]) for m in prompt) > max_model_len * longest_token(tokenizer):
+            raise too_long                                     # before the template and the tokenizer see it
+        try:
+            prompt = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:                               # the template's own checks (role order, ...)
+            raise RequestError(f"the chat template refused these messages: {exc}", "messages") from None
     if isinstance(prompt, str):
         if tokenizer is None:
             raise RequestError("this model has no tokenizer: send the prompt as a list of token ids", key)
+        if len(_unicode(prompt, key)) > max_model_len * longest_token(tokenizer):
+            raise too_long                                     # before the tokenizer spends seconds on it
         prompt_ids = list(tokenizer.encode(prompt))
     elif all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         prompt_ids = list(prompt)
     else:
         raise RequestError("prompt is one string or one list of token ids (n = 1: one prompt per request)", key)
     if len(prompt_ids) >= max_model_len:
-        raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this model's context is {max_model_len}", key)
+        raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this model's context is {max_model_len}", key,
+                           code="context_length_exceeded")
     if body.get("n") not in (None, 1):
         raise RequestError("only n = 1 is supported", "n")
     options = body.get("stream_options") or {}
     if options and (not body.get("stream") or set(options) != {"include_usage"}
                     or not isinstance(options["include_usage"], bool)):
         raise RequestError("stream_options is {'include_usage': bool}, with stream: true", "stream_options")
-    stop = body.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
-    if not all(isinstance(s, str) and s for s in stop):
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) and s and _unicode(s, "stop") for s in stop):
         raise RequestError("stop is a non-empty string or a list of them", "stop")
     sampling = {k: body[k] for k in SAMPLING if body.get(k) is not None}
     if chat and body.get("max_completion_tokens") is not None:
@@ -124,7 +166,7 @@ def parse_request(body: object, chat: bool, tokenizer, model_name: str, max_mode
         raise RequestError(str(exc), str(exc).split()[0]) from exc
     if len(prompt_ids) + params.max_tokens > max_model_len:
         raise RequestError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) is more than "
-                           f"this model's context ({max_model_len})", "max_tokens")
+                           f"this model's context ({max_model_len})", "max_tokens", code="context_length_exceeded")
     return ParsedRequest(prompt_ids, params, stop, bool(body.get("stream")), bool(options.get("include_usage")),
                          bool(body.get("return_token_ids")), chat)
 
@@ -204,7 +246,7 @@ class AsyncEngine:
         if isinstance(answer, Exception):
             handle.finished = True
             self.release(handle)
-            raise RequestError(str(answer), "prompt") if isinstance(answer, ValueError) else answer
+            raise RequestError(str(answer), "prompt") if isinstance(answer, ValueError) else EngineError()
         handle.request_id = answer
         return handle
 
@@ -242,9 +284,10 @@ class AsyncEngine:
             try:
                 events = self.llm.step()
             except Exception as exc:                  # never let one failure stop the loop: fail those in flight
+                log.exception("engine step failed; failing the %d requests in flight", len(self.handles))
                 for request_id, handle in self.handles.items():
-                    self.llm.abort(request_id)
-                    _reply(handle, RuntimeError(f"engine step failed: {exc!r}"))
+                    self.llm.abort(request_id)        # blocks and GDN slot back
+                    _reply(handle, EngineError(f"engine step failed: {exc!r}"))    # an error, never a silent end
                 self.handles.clear()
                 continue
             for request_id, token, finished in events:
@@ -267,6 +310,8 @@ class AsyncEngine:
                 try:
                     request_id = self.llm.add_request(handle.prompt_ids, handle.params)
                 except Exception as exc:              # ValueError: a 400; anything else: a 500, the loop lives on
+                    if not isinstance(exc, ValueError):
+                        log.exception("add_request failed")
                     _reply(handle, exc)
                     continue
                 handle.request_id = request_id
@@ -345,10 +390,14 @@ async def sse_frames(engine: AsyncEngine, handle: Handle, req: ParsedRequest, mo
     if req.chat:                                      # a chat stream opens with the assistant's role
         yield _sse(_body(req, handle, model, [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                "logprobs": None, "finish_reason": None}], False))
-    async for delta, finish in run_request(engine, handle, req):
-        yield _sse(_body(req, handle, model, [_choice(req, delta, finish)], False))
-    if req.include_usage:
-        yield _sse(_body(req, handle, model, [], True))
+    try:
+        async for delta, finish in run_request(engine, handle, req):
+            yield _sse(_body(req, handle, model, [_choice(req, delta, finish)], False))
+    except Exception as exc:                          # after the 200: an error event ends the stream, never a cut
+        yield _sse(error_body(exc)[1])
+    else:
+        if req.include_usage:
+            yield _sse(_body(req, handle, model, [], True))
     yield "data: [DONE]\n\n"
 
 
@@ -360,32 +409,63 @@ async def complete(engine: AsyncEngine, handle: Handle, req: ParsedRequest, mode
     return _body(req, handle, model, [_choice(req, "".join(parts), finish)], True)
 
 
-def error_response(exc: Exception) -> JSONResponse:
-    """OpenAI's error JSON: 400/404 for a RequestError, 503 + Retry-After when overloaded, else 500."""
+def error_body(exc: Exception) -> tuple[int, dict]:
+    """(HTTP status, OpenAI's error object) for `exc`: a RequestError's own status, 503 when overloaded, else 500
+    with a fixed message (an engine's exception text stays in the server log)."""
     if isinstance(exc, RequestError):
-        kind, status, param, headers = "invalid_request_error", exc.status, exc.param, None
+        status, kind, message, param, code = exc.status, "invalid_request_error", str(exc), exc.param, exc.code
     elif isinstance(exc, Overloaded):
-        kind, status, param, headers = "server_overloaded", 503, None, {"Retry-After": str(RETRY_AFTER_S)}
+        status, kind, message, param, code = 503, "server_overloaded", str(exc), None, "server_overloaded"
     else:
-        kind, status, param, headers = "internal_error", 500, None, None
-    body = {"error": {"message": str(exc), "type": kind, "param": param, "code": None}}
-    return JSONResponse(body, status_code=status, headers=headers)
+        status, kind, param, code = 500, "internal_error", None, "internal_error"
+        message = "the engine failed while running this request; the server log has the details"
+    return status, {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
-    """The HTTP surface: /v1/completions, /v1/chat/completions, /v1/models, /health."""
+def error_response(exc: Exception) -> Response:
+    """OpenAI's error JSON with its status; 503 adds Retry-After. ASCII-escaped: a lone surrogate a client sent
+    (in a field name, say) cannot break the answer that refuses it."""
+    status, body = error_body(exc)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    return Response(json.dumps(body), status_code=status, headers=headers, media_type="application/json")
+
+
+def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
+              max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The HTTP surface: /v1/completions, /v1/chat/completions, /v1/models, /health.
+
+    With `api_key`, every /v1 route wants "Authorization: Bearer <api_key>" (401 otherwise); /health stays open.
+    """
     app = FastAPI(title="course engine (OpenAI-compatible)")
     max_model_len = engine.llm.config.max_model_len
+    parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parse")    # one thread: the tokenizer's only user
+
+    def parse(raw: bytes, chat: bool) -> ParsedRequest:
+        """On the parser thread: JSON (strict: no NaN, depth-bounded), then parse_request (template, tokenizer)."""
+        try:
+            body = json.loads(raw, parse_constant=_no_constant)
+        except (ValueError, RecursionError) as exc:    # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise RequestError(f"the body is not valid JSON: {str(exc)[:200]}", code="invalid_json") from None
+        return parse_request(body, chat, engine.llm.tokenizer, model_name, max_model_len)
+
+    def check_client(request: Request, body: bool) -> None:
+        """401 without the API key; 415 unless the body is JSON (a text/plain POST needs no CORS preflight)."""
+        if api_key is not None and not hmac.compare_digest(request.headers.get("authorization", "").encode(),
+                                                           f"Bearer {api_key}".encode()):
+            raise RequestError("a valid API key is needed: Authorization: Bearer <key>", status=401,
+                               code="invalid_api_key")
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if body and media != "application/json":
+            raise RequestError(f"the body must be application/json, got {media or 'no Content-Type'!r}",
+                               status=415, code="unsupported_media_type")
 
     async def generate(request: Request, chat: bool):
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return error_response(RequestError(f"invalid JSON: {exc}"))
-        try:
-            req = parse_request(body, chat, engine.llm.tokenizer, model_name, max_model_len)
+            check_client(request, body=True)
+            raw = await _read_body(request, max_body_bytes)
+            req = await asyncio.get_running_loop().run_in_executor(parser, parse, raw, chat)
             handle = await engine.add(req.prompt_ids, req.params)
-        except (RequestError, Overloaded) as exc:
+        except (RequestError, Overloaded, EngineError) as exc:
             return error_response(exc)
         if req.stream:
             return StreamingResponse(sse_frames(engine, handle, req, model_name), media_type="text/event-stream")
@@ -400,9 +480,24 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
         return await generate(request, chat=True)
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        try:
+            check_client(request, body=False)
+        except RequestError as exc:
+            return error_response(exc)
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "course",
                                             "max_model_len": max_model_len}]}
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):       # unknown path, wrong method: OpenAI's shape
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
+        return error_response(RequestError(f"{request.method} {request.url.path}: {exc.detail}",
+                                           status=exc.status_code, code=code))
+
+    @app.exception_handler(Exception)
+    async def crash(request: Request, exc: Exception):                 # a bug: a 500 in OpenAI's shape, no traceback
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(EngineError())
 
     @app.get("/health")
     async def health():
@@ -410,6 +505,27 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
         return JSONResponse({"status": "ok" if ok else "engine stopped", **engine.stats}, status_code=200 if ok else 503)
 
     return app
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, or RequestError 413 as soon as it (or its Content-Length) passes `limit` bytes."""
+    too_big = RequestError(f"the request body is larger than {limit} bytes", status=413, code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_big
+    body = bytearray()
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_big
+    except ClientDisconnect:                          # nobody is left to answer; no traceback for it
+        raise RequestError("the client left before sending the whole body") from None
+    return bytes(body)
 
 
 async def _unless_disconnected(request: Request, work) -> JSONResponse | None:

@@ -37,7 +37,7 @@ from torch import nn
 from .e01_sampling import Sampler, SamplingParams, make_generator
 from .e02_block_manager import BlockManager, Sequence
 from .e03_scheduler import Scheduler, SchedulerConfig
-from .e04_model_runner import GDNStatePool, ModelRunner, prepare_batch
+from .e04_model_runner import GDNStatePool, ModelRunner
 from .e05_engine import LLM as CPULLM
 from .e05_engine import EngineConfig, _load
 from .k01_triton_basics import add_rms_norm
@@ -48,7 +48,7 @@ from .m01_rmsnorm import GemmaRMSNorm, RMSNorm
 from .m03_sparse_moe import MoEWeights, SharedExpert
 from .m04_attention import AttentionContext, GatedAttention
 from .m05_gated_deltanet import GatedDeltaNet
-from .m06_models import CausalLM, SparseMoeBlock, build_model, load_checkpoint, text_config
+from .m06_models import MLP, CausalLM, SparseMoeBlock, build_model, load_checkpoint, text_config
 
 
 # ----------------------------------------------------------------------------- the kernel backends
@@ -63,55 +63,68 @@ class KernelNorm(nn.Module):
         return add_rms_norm(x, residual, self.weight, self.eps, gemma=self.gemma)
 
 
-@triton.jit
-def _qk_norm_rope_kernel(x_ptr, out_ptr, w_ptr, pos_ptr, cache_ptr, stride_xt, stride_xh, stride_ot, stride_oh,
-                         stride_cache, eps, D, HALF_R, GEMMA: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One head of one token: RMSNorm over D (m01's cast order), then rotate-half RoPE on its first 2*HALF_R dims."""
-    t, h = tl.program_id(0), tl.program_id(1)
-    d = tl.arange(0, BLOCK_D)
-    x = tl.load(x_ptr + t.to(tl.int64) * stride_xt + h * stride_xh + d, mask=d < D, other=0.0)
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr"])   # positions: a view at offset N of the staged buffer
+def _qk_norm_rope_kernel(qkv_ptr, out_ptr, qw_ptr, kw_ptr, pos_ptr, cache_ptr, stride_t, stride_qh, k_col, stride_ot,
+                         stride_cache, eps, D, HALF_R, NQ, NH, GEMMA: tl.constexpr, BLOCK_H: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+    """Token t, heads hb*BLOCK_H ..: RMSNorm over D (m01's cast order), then rotate-half RoPE on the first 2*HALF_R dims.
+
+    Heads 0 .. NQ-1 are q (column h * stride_qh of the qkv row, weight qw), heads NQ .. NH-1 are k (column
+    k_col + (h - NQ) * D, weight kw): q and k of a token in one program, one launch per layer."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]            # [BLOCK_H, 1]
+    d = tl.arange(0, BLOCK_D)[None, :]                                        # [1, BLOCK_D]
+    is_q = h < NQ
+    mask = (h < NH) & (d < D)
+    row = qkv_ptr + t * stride_t + tl.where(is_q, h * stride_qh, k_col + (h - NQ) * D)
+    w_row = tl.where(is_q, qw_ptr, kw_ptr)
+    x = tl.load(row + d, mask=mask, other=0.0)
     xf = x.to(tl.float32)
-    n = xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
-    w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
-    if GEMMA:                                        # (1 + w) in fp32, then cast
-        y = (n * (1.0 + w)).to(x.dtype).to(tl.float32)
-    else:                                            # cast first, then * w (in the model dtype)
-        y = (w * n.to(x.dtype).to(tl.float32)).to(x.dtype).to(tl.float32)
-    # rotate-half: pair (i, i + R/2) turned by angle i, cos/sin from the fp32 cache row of this position
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    rotary = d < 2 * HALF_R
-    i = tl.where(d < HALF_R, d, d - HALF_R)
-    cos = tl.load(cache_ptr + pos * stride_cache + i, mask=rotary, other=1.0)
-    sin = tl.load(cache_ptr + pos * stride_cache + HALF_R + i, mask=rotary, other=0.0)
+    inv = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)[:, None]               # [BLOCK_H, 1] fp32
+    w = tl.load(w_row + d, mask=mask, other=0.0).to(tl.float32)
+    # rotate-half: pair (i, i + R/2) turned by angle i; the partner's normalised value comes from its own load
+    rotary = mask & (d < 2 * HALF_R)
     partner = tl.where(d < HALF_R, d + HALF_R, d - HALF_R)
-    # the partner's normalised value: recompute it from its own load (cheap; D <= 256)
-    xp = tl.load(x_ptr + t.to(tl.int64) * stride_xt + h * stride_xh + partner, mask=rotary, other=0.0).to(tl.float32)
-    wp = tl.load(w_ptr + partner, mask=rotary, other=0.0).to(tl.float32)
-    np_ = xp * tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
-    if GEMMA:
-        yp = (np_ * (1.0 + wp)).to(x.dtype).to(tl.float32)
-    else:
-        yp = (wp * np_.to(x.dtype).to(tl.float32)).to(x.dtype).to(tl.float32)
+    xp = tl.load(row + partner, mask=rotary, other=0.0).to(tl.float32)
+    wp = tl.load(w_row + partner, mask=rotary, other=0.0).to(tl.float32)
+    if GEMMA:                                        # (1 + w) in fp32, then cast
+        y = (xf * inv * (1.0 + w)).to(x.dtype).to(tl.float32)
+        yp = (xp * inv * (1.0 + wp)).to(x.dtype).to(tl.float32)
+    else:                                            # cast first, then * w (in the model dtype)
+        y = (w * (xf * inv).to(x.dtype).to(tl.float32)).to(x.dtype).to(tl.float32)
+        yp = (wp * (xp * inv).to(x.dtype).to(tl.float32)).to(x.dtype).to(tl.float32)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    i = tl.where(d < HALF_R, d, d - HALF_R)
+    cos = tl.load(cache_ptr + pos * stride_cache + i, mask=d < 2 * HALF_R, other=1.0)
+    sin = tl.load(cache_ptr + pos * stride_cache + HALF_R + i, mask=d < 2 * HALF_R, other=0.0)
     rot = tl.where(d < HALF_R, y * cos - yp * sin, y * cos + yp * sin)
-    out = tl.where(rotary, rot, y)
-    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+    out = tl.where(d < 2 * HALF_R, rot, y)
+    tl.store(out_ptr + t * stride_ot + h * D + d, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool, positions: torch.Tensor,
-                 cos_sin_cache: torch.Tensor, rotary_dim: int) -> torch.Tensor:
-    """x [N, heads, D] (a strided view of the qkv projection) -> RoPE(RMSNorm(x)) [N, heads, D], one launch."""
-    num_tokens, heads, dim = x.shape
-    out = torch.empty(num_tokens, heads, dim, dtype=x.dtype, device=x.device)
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                 gemma: bool, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                 rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, nH, D], k [N, nKV, D] (strided views of ONE qkv projection output, k to the right of q in each row)
+    -> RoPE(RMSNorm(q)), RoPE(RMSNorm(k)) as views of one [N, nH + nKV, D] tensor, in one launch."""
+    num_tokens, nq, dim = q.shape
+    nh = nq + k.shape[1]
+    # (one token: torch may give the size-1 token dim of a view any stride, so only the layout within a row counts)
+    assert (num_tokens == 1 or q.stride(0) == k.stride(0)) and q.stride(-1) == k.stride(-1) == 1 and k.stride(1) == dim
+    out = torch.empty(num_tokens, nh, dim, dtype=q.dtype, device=q.device)
     if num_tokens:
-        _qk_norm_rope_kernel[(num_tokens, heads)](
-            x, out, weight, positions, cos_sin_cache, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-            cos_sin_cache.stride(0), eps, dim, rotary_dim // 2, GEMMA=gemma, BLOCK_D=triton.next_power_of_2(dim),
-            num_warps=1 if dim <= 128 else 2)
-    return out
+        block_d = triton.next_power_of_2(dim)
+        block_h = min(triton.next_power_of_2(nh), max(1, 4096 // block_d))    # <= 4096 elements a program
+        _qk_norm_rope_kernel[(num_tokens, triton.cdiv(nh, block_h))](
+            q, out, q_weight, k_weight, positions, cos_sin_cache, q.stride(0), q.stride(1),
+            k.data_ptr() // k.element_size() - q.data_ptr() // q.element_size(), out.stride(0),
+            cos_sin_cache.stride(0), eps, dim, rotary_dim // 2, nq, nh, GEMMA=gemma, BLOCK_H=block_h,
+            BLOCK_D=block_d, num_warps=4)
+    return out[:, :nq], out[:, nq:]
 
 
 class KernelAttention(nn.Module):
-    """m04's Qwen3Attention / GatedAttention with q/k norm and RoPE fused into one launch each for q and k.
+    """m04's Qwen3Attention / GatedAttention with q/k norm and RoPE fused into one launch for q and k together.
 
     m02 + m01 in torch take ~20 small kernels per layer for this; a decode step of a 28-layer model spends
     more time launching them than computing. 3-D (multimodal) positions fall back to the torch path.
@@ -136,13 +149,52 @@ class KernelAttention(nn.Module):
         else:
             q = q.view(-1, nH, D)
         rope = a.rotary
-        q = qk_norm_rope(q, a.q_norm.weight, a.q_norm.eps, self.gemma, positions, rope.cos_sin_cache, rope.rotary_dim)
-        k = qk_norm_rope(k.view(-1, nKV, D), a.k_norm.weight, a.k_norm.eps, self.gemma, positions,
-                         rope.cos_sin_cache, rope.rotary_dim)
+        q, k = qk_norm_rope(q, k.view(-1, nKV, D), a.q_norm.weight, a.k_norm.weight, a.q_norm.eps, self.gemma,
+                            positions, rope.cos_sin_cache, rope.rotary_dim)
         o = a.attn(q, k, v.view(-1, nKV, D), ctx)
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return a.o_proj(o.flatten(1))
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _silu_mul_kernel(x_ptr, out_ptr, num_rows, inter, stride_x, stride_o, BLOCK: tl.constexpr):
+    """Row r, columns c*BLOCK ..: out = silu(gate) * up for x = [gate | up], torch's roundings (each op to x.dtype)."""
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    gate = tl.load(x_ptr + r * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + r * stride_x + inter + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g * tl.sigmoid(g)).to(gate.dtype).to(tl.float32)                   # F.silu, rounded like torch
+    tl.store(out_ptr + r * stride_o + cols, (act * up.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+class KernelMLP(nn.Module):
+    """m06's dense MLP with SiLU(gate) * up in one launch (torch runs silu and * as two kernels and writes the
+    [N, I] silu output in between: at a 16k-token prefill step that is 3 x 100 MB of extra traffic per layer)."""
+
+    def __init__(self, mlp: nn.Module):
+        super().__init__()
+        self.mlp = mlp
+        for hook in mlp._forward_hooks.values():      # m07's all-reduce of the partial sums under tensor parallel
+            self.register_forward_hook(hook)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.mlp.gate_up_proj(x)                                    # [N, 2I]
+        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        h = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
+        if rows:
+            _silu_mul_kernel[(rows, triton.cdiv(inter, 1024))](gate_up, h, rows, inter, gate_up.stride(0),
+                                                              h.stride(0), BLOCK=1024, num_warps=4)
+        return self.mlp.down_proj(h)
+
+
+def use_fused_mlp(model: CausalLM) -> None:
+    """Every dense MLP -> KernelMLP (a speed-up the exercise gives: MoE layers have k03's fused SiLU already)."""
+    for layer in model.model.layers:
+        if isinstance(layer.mlp, MLP):
+            layer.mlp = KernelMLP(layer.mlp)
 
 
 class KernelMoE(nn.Module):
@@ -263,7 +315,7 @@ def dummy_weights_(model: CausalLM, seed: int = 0, std: float = 0.02) -> None:
 
 
 # ----------------------------------------------------------------------------- sampling on the device
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])   # a fresh random seed every step: no recompile when it is 1 or % 16 == 0
 def _sample_kernel(logits_ptr, stride, temp_ptr, out_ptr, seed, vocab, BLOCK: tl.constexpr):
     """One row per program, one pass over the vocabulary: argmax of x / T + Gumbel noise (argmax of x for T = 0)."""
     row = tl.program_id(0)
@@ -341,6 +393,7 @@ class GPUModelRunner(ModelRunner):
         # the decode kernel's grid is fixed by its number of key partitions: at most one per 256 keys
         self.max_splits = max(1, min(16, -(-max_model_len // 256)))
         use_kernels(model, self.kv_caches, num_splits=self.max_splits)
+        use_fused_mlp(model)
         self.generators: dict[int, torch.Generator | None] = {}
         self.sampler = DeviceSampler()
         self.last_was_decode = False
@@ -365,8 +418,15 @@ class GPUModelRunner(ModelRunner):
         per_block = sum(2 * self.block_size * a.num_kv_heads * a.head_dim for a in attn_layers) * self.dtype.itemsize
         blocks = int((total * utilization - used - reserve) // max(per_block, 1))
         if blocks < self.max_blocks_per_seq:
-            raise RuntimeError(f"only {blocks} KV blocks fit in gpu_memory_utilization={utilization}: "
-                               f"not even one sequence of max_model_len")
+            gib = 2 ** 30
+            mine = torch.cuda.memory_reserved(self.device)
+            raise RuntimeError(
+                f"KV cache 放不下：GPU 共 {total / gib:.1f} GiB，gpu_memory_utilization={utilization} 允许用 "
+                f"{total * utilization / gib:.1f} GiB，但已经占用 {used / gib:.1f} GiB（本进程的 torch 分配器持有 "
+                f"{mine / gib:.1f} GiB，含权重；其余 {max(used - mine, 0) / gib:.1f} GiB 属于别的进程或驱动），"
+                f"再留 {reserve / gib:.1f} GiB 给激活，KV cache 只剩 {max(blocks, 0)} 块 × {per_block / 2**20:.2f} MiB，"
+                f"不够一条 max_model_len 的序列（{self.max_blocks_per_seq} 块）。先释放别处的显存（同一进程里的上一个"
+                f"引擎、别的进程），或调小 max_model_len / max_num_batched_tokens，或调大 gpu_memory_utilization。")
         return blocks
 
     # ------------------------------------------------------------------ staging: one H2D copy per step
@@ -512,16 +572,40 @@ class GPUModelRunner(ModelRunner):
         self.graphs[bs].replay()
         return s["out"][:n]
 
+    def _prefill_inputs(self, seqs: list[Sequence]) -> list[np.ndarray]:
+        """e04's prepare_batch (same arrays, same order as its tensors) in numpy, plus the GDN slots:
+        [ids, positions, cu_q, cu_k, slots, block tables [B, M], context lens, gdn]. Torch's CPU ops on
+        [16k]-long index tensors cost ~10 ms a prefill step on the H200's host, numpy's well under 1 ms:
+        that time is spent before the first kernel of the step starts, with the GPU idle."""
+        n, P = len(seqs), self.block_size
+        cached = np.fromiter((s.num_cached_tokens for s in seqs), np.int64, n)
+        new = np.fromiter((s.num_scheduled_tokens for s in seqs), np.int64, n)
+        cu_q = np.zeros(n + 1, np.int64)
+        np.cumsum(new, out=cu_q[1:])
+        ids = np.fromiter(itertools.chain.from_iterable(
+            s.token_ids[s.num_cached_tokens:s.num_cached_tokens + s.num_scheduled_tokens] for s in seqs),
+            np.int64, int(cu_q[-1]))
+        seq_of_token = np.repeat(np.arange(n), new)
+        positions = np.arange(int(cu_q[-1])) - cu_q[seq_of_token] + cached[seq_of_token]
+        num_blocks = np.fromiter((len(s.block_table) for s in seqs), np.int64, n)
+        width = int(num_blocks.max())
+        tables = np.full((n, width), -1, np.int64)
+        tables[np.arange(width) < num_blocks[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(s.block_table for s in seqs), np.int64, int(num_blocks.sum()))
+        slots = tables[seq_of_token, positions // P] * P + positions % P
+        lens = cached + new
+        cu_k = np.zeros(n + 1, np.int64)
+        np.cumsum(lens, out=cu_k[1:])
+        gdn = np.asarray(self._gdn_slots(seqs) if self.gdn_pool is not None else [-1] * n, np.int64)
+        return [ids, positions, cu_q, cu_k, slots, tables, lens, gdn]
+
     def _run_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        input_ids, positions, ctx = prepare_batch(seqs, self.block_size)          # host tensors
-        gdn = np.asarray(self._gdn_slots(seqs) if self.gdn_pool is not None else [-1] * len(seqs), np.int64)
-        arrays = [input_ids.numpy(), positions.numpy(), ctx.cu_seqlens_q.numpy(), ctx.cu_seqlens_k.numpy(),
-                  ctx.slot_mapping.numpy(), ctx.block_tables.numpy(), ctx.context_lens.numpy(), gdn]
+        arrays = self._prefill_inputs(seqs)
+        table_shape, max_q, max_k = arrays[5].shape, int((arrays[2][1:] - arrays[2][:-1]).max()), int(arrays[6].max())
         ids, pos, cu_q, cu_k, slots, tables, lens, gdn_dev = self._stage(arrays)
-        dctx = AttentionContext(cu_seqlens_q=cu_q.int(), cu_seqlens_k=cu_k.int(), max_seqlen_q=ctx.max_seqlen_q,
-                                max_seqlen_k=ctx.max_seqlen_k, slot_mapping=slots,
-                                block_tables=tables.view(ctx.block_tables.shape).int(), context_lens=lens.int(),
-                                is_prefill=True)
+        dctx = AttentionContext(cu_seqlens_q=cu_q.int(), cu_seqlens_k=cu_k.int(), max_seqlen_q=max_q,
+                                max_seqlen_k=max_k, slot_mapping=slots, block_tables=tables.view(table_shape).int(),
+                                context_lens=lens.int(), is_prefill=True)
         hidden = self.model(ids, pos, dctx, self._states(gdn_dev.int(), decode=False))
         return hidden, (cu_q[1:] - 1)
 
@@ -601,5 +685,6 @@ class LLM(CPULLM):
         self.close()
 
 
-__all__ = ["LLM", "GPUModelRunner", "PoolState", "KernelNorm", "KernelMoE", "KernelGDN", "use_kernels",
+__all__ = ["LLM", "GPUModelRunner", "PoolState", "KernelNorm", "KernelMoE", "KernelGDN", "KernelMLP", "use_kernels",
+           "use_fused_mlp",
            "build_on_device", "dummy_weights_", "batch_buckets", "DeviceSampler"]

@@ -71,7 +71,7 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])   # N changes every prefill step: no recompile per N % 16
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
                          num_rows, hidden, stride_x, stride_r, stride_o, stride_ro, eps,
                          HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr,

@@ -1,8 +1,11 @@
 """`./check.sh serve` and `./check.sh bench --serve` (e06) on the CPU with the offline dummy model."""
 
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -20,3 +23,47 @@ def test_bench_serve_smoke(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     for fragment in ("离线 LLM.generate", "HTTP（4 个流式客户端）", "TTFT p50", "错误 0 个"):
         assert fragment in out.stdout, (fragment, out.stdout)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_api_key_warning_and_bounded_shutdown(tmp_path):
+    """--host 0.0.0.0 warns, --api-key is enforced, and Ctrl-C returns even while a client has half-sent a body."""
+    import httpx
+    from course.runtime.serve import GRACEFUL_SHUTDOWN_S
+    port = _free_port()
+    env = dict(os.environ, COURSE_STATE_DIR=str(tmp_path / "state"), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "course", "serve", "--host", "0.0.0.0", "--port", str(port),
+                             "--api-key", "sesame"], cwd=select.ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url, half = f"http://127.0.0.1:{port}", None
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.5)
+        assert httpx.get(url + "/v1/models").status_code == 401
+        assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer sesame"}).status_code == 200
+        half = socket.create_connection(("127.0.0.1", port))
+        half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer sesame\r\nContent-Length: 1000\r\n\r\n{\"model\": ")
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        out, _ = proc.communicate(timeout=GRACEFUL_SHUTDOWN_S + 30)
+        assert time.monotonic() - start < GRACEFUL_SHUTDOWN_S + 15, out[-2000:]
+        assert "警告" in out and "0.0.0.0" in out, out[-2000:]
+    finally:
+        if half is not None:
+            half.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -7,6 +7,11 @@ Models: the real architectures with dummy bf16 weights built on the GPU (no down
 
     ./check.sh bench [--model qwen3-0.6b|qwen3-30b-a3b|qwen3.5-35b-a3b] [--num-seqs 256] [--peer hf]
                      [--peer-num-seqs 64] [--enforce-eager] [--plot out.png] [--json out.json]
+    ./check.sh bench --profile [--model ...]   torch.profiler on one prefill step and one decode step: GPU time
+                                               by kernel class beside the step's wall time
+With --peer hf every engine runs in a process of its own (the whole GPU each: a second engine in the same
+process would find the first one's memory still held); the ratio is printed only from runs that started
+with the same free GPU memory on the same prompts.
     ./check.sh bench --tp 2 [--model ...]   the engine at TP=2 and at TP=1 on the same prompts (bench_tp)
     ./check.sh bench k01|k02|k03|k04        the kernel benchmarks of Track K
 """
@@ -48,7 +53,9 @@ def workload(num_seqs: int, max_input_len: int, max_output_len: int) -> tuple[li
     return prompts, out_lens
 
 
-def run_engine(args, prompts, out_lens, tp: int = 1) -> dict:
+def build_engine(args, prompts, tp: int = 1):
+    """The engine (the learner's files where they pass, else the references) on the bench model, warmed up.
+    Returns (llm, SamplingParams, start-up seconds); records the free GPU memory before it in args._free_at_start."""
     import torch
     from course.grader import select
     from course.runtime import run
@@ -59,6 +66,7 @@ def run_engine(args, prompts, out_lens, tp: int = 1) -> dict:
         args._reported = True
     SamplingParams = select.load("e01_sampling").SamplingParams
     g01 = select.load("g01_gpu_engine")
+    args._free_at_start = torch.cuda.mem_get_info()[0] / 2**30
     t0 = time.perf_counter()
     llm = g01.LLM(hf_config(args.model), max_num_seqs=args.max_num_seqs, max_num_batched_tokens=16384,
                   max_model_len=args.max_model_len, block_size=args.block_size, enforce_eager=args.enforce_eager,
@@ -70,6 +78,12 @@ def run_engine(args, prompts, out_lens, tp: int = 1) -> dict:
     warm = [p[:n] for p, n in zip(prompts[:8], (1, 17, 100, 255, 512, 1000, 64, 33))]
     warm += [(p * 4)[:min(args.max_model_len - 8, 1500)] for p in prompts[8:8 + 12]]
     llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True))
+    return llm, SamplingParams, startup
+
+
+def run_engine(args, prompts, out_lens, tp: int = 1) -> dict:
+    import torch
+    llm, SamplingParams, startup = build_engine(args, prompts, tp)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in out_lens]
     steps: list[tuple[float, int, bool]] = []       # (seconds, tokens sampled, decode step?)
     inner = llm.step
@@ -85,10 +99,11 @@ def run_engine(args, prompts, out_lens, tp: int = 1) -> dict:
         return events
     llm.step = step
     torch.cuda.synchronize()
-    t = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - t
+    with watch_compiles() as compiled:
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
     tokens = sum(len(o.token_ids) for o in outs)
     assert tokens == sum(out_lens), f"engine produced {tokens} tokens, expected {sum(out_lens)}"
     prompt_tokens = sum(len(p) for p in prompts)
@@ -103,7 +118,8 @@ def run_engine(args, prompts, out_lens, tp: int = 1) -> dict:
                   mean_step_ms=1e3 * wall / max(len(steps), 1),
                   mean_decode_step_ms=1e3 * decode_time / max(len(decode_steps), 1),
                   kv_blocks=llm.runner.num_blocks, block_size=args.block_size,
-                  cuda_graph_buckets=sorted(llm.runner.graphs), startup_s=startup)
+                  cuda_graph_buckets=sorted(llm.runner.graphs), startup_s=startup,
+                  triton_compiles_in_timed_run=compiled, free_gib_at_start=args._free_at_start)
     result["timeline"] = steps
     restore_calls()
     result["host_ms_per_step"] = {k: 1e3 * v / max(len(steps), 1) for k, v in host.items()}
@@ -111,8 +127,11 @@ def run_engine(args, prompts, out_lens, tp: int = 1) -> dict:
     if llm.runner.graphs:
         try:
             with torch.inference_mode():
-                result["gpu_decode_step_ms"] = graph_step_ms(llm, len(prompts),
-                                                             (sum(map(len, prompts)) + tokens) // len(prompts))
+                # the full-batch decode steps run right after the prefills: context ~ prompt + a few tokens
+                full = min(len(prompts), args.max_num_seqs)
+                result["gpu_decode_step_ms"] = graph_step_ms(llm, full, sum(map(len, prompts)) // len(prompts) + 32)
+                walls = [s[0] for s in steps if s[2] and s[1] == full]
+                result["full_batch_decode_step_ms"] = 1e3 * sum(walls) / max(len(walls), 1)
         except Exception as exc:          # a diagnostic only: never lose the measured throughput over it
             print(f"graph_step_ms failed: {exc!r}")
     if tp > 1:                            # what one decode step communicates, timed on its own
@@ -127,6 +146,33 @@ def run_engine(args, prompts, out_lens, tp: int = 1) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
     return result
+
+
+class watch_compiles:
+    """`with watch_compiles() as names:` - the Triton kernels compiled (or loaded from the disk cache) inside the block,
+    by name: a timed run must show none (each compile costs 0.1-1 s of wall time that is not the engine's work).
+    Uses triton.knobs.runtime.jit_cache_hook (Triton >= 3.4); on older Triton the list stays empty."""
+
+    def __enter__(self) -> list[str]:
+        self.names: list[str] = []
+        try:
+            from triton import knobs
+            self.runtime = knobs.runtime if hasattr(knobs.runtime, "jit_cache_hook") else None
+        except (ImportError, AttributeError):
+            self.runtime = None
+        if self.runtime is None:
+            return self.names
+        self.before = self.runtime.jit_cache_hook
+
+        def hook(*, fn, **kw):
+            self.names.append(getattr(fn, "name", str(fn)))
+            return False                           # False: compile as usual
+        self.runtime.jit_cache_hook = hook
+        return self.names
+
+    def __exit__(self, *exc) -> None:
+        if self.runtime is not None:
+            self.runtime.jit_cache_hook = self.before
 
 
 def _time_calls(targets: dict):
@@ -187,16 +233,22 @@ def run_hf_peer(args, prompts, out_lens) -> dict:
     cfg = hf_config(args.model)
     hybrid = "linear_attention" in (getattr(cfg, "layer_types", None) or [])
     attn = "sdpa" if hybrid else "paged|sdpa"
+    free_at_start = torch.cuda.mem_get_info()[0] / 2**30          # before the model, as run_engine measures it
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation=attn).eval()
     gen = GenerationConfig(do_sample=True, temperature=0.6, top_k=0, top_p=1.0, eos_token_id=None,
                            pad_token_id=0, max_new_tokens=max(out_lens))
+    manager = None
+    if not hybrid:                               # started and warmed up (one short request) before the clock
+        manager = model.init_continuous_batching(generation_config=gen)
+        manager.start()
+        manager.add_request(prompts[0][:16], max_new_tokens=2)
+        while not ((r := manager.get_result(timeout=600)) is not None and r.is_finished()):
+            pass
     torch.cuda.synchronize()
     t = time.perf_counter()
     tokens = 0
     if not hybrid:
-        manager = model.init_continuous_batching(generation_config=gen)
-        manager.start()
         try:
             ids = [manager.add_request(p, max_new_tokens=n) for p, n in zip(prompts, out_lens)]
             done = 0
@@ -224,7 +276,7 @@ def run_hf_peer(args, prompts, out_lens) -> dict:
     del model
     torch.cuda.empty_cache()
     return dict(engine=peer, model=args.model, num_seqs=len(prompts), output_tokens=tokens, seconds=wall,
-                tok_per_s=tokens / wall)
+                tok_per_s=tokens / wall, free_gib_at_start=free_at_start)
 
 
 def main(argv: list[str], say) -> int:
@@ -249,10 +301,13 @@ def main(argv: list[str], say) -> int:
     p.add_argument("--peer", choices=["hf", "none"], default="none")
     p.add_argument("--peer-num-seqs", type=int, default=None,
                    help="a smaller shared workload for both (HF needs minutes for the full one)")
+    p.add_argument("--profile", action="store_true", help="torch.profiler split of one prefill and one decode step")
     p.add_argument("--plot", default=None)
     p.add_argument("--json", default=None)
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size: run TP=N and TP=1 side by side")
     p.add_argument("--tp-run", type=int, default=0, help=argparse.SUPPRESS)     # one engine, in a child process
+    p.add_argument("--engine-run", choices=["course", "hf"], default=None, help=argparse.SUPPRESS)   # likewise
+    p.add_argument("--subset", type=int, default=0, help=argparse.SUPPRESS)     # the child's first N prompts
     args = p.parse_args(argv)
     import torch
     if not torch.cuda.is_available():
@@ -260,42 +315,61 @@ def main(argv: list[str], say) -> int:
         return 2
     if args.tp > 1 or args.tp_run:
         return bench_tp(args, argv, say)
-    from rich.table import Table
     prompts, out_lens = workload(args.num_seqs, args.max_input_len, args.max_output_len)
-    results = [run_engine(args, prompts, out_lens)]
-    if args.peer == "hf":
-        n = args.peer_num_seqs or args.num_seqs
-        if n != args.num_seqs:          # the shared smaller workload: both engines on the same prompts
-            sp, so = prompts[:n], out_lens[:n]
-            small = run_engine(args, sp, so)
-            small["engine"] = f"course ({n} prompts)"
-            results.append(small)
-            results.append(run_hf_peer(args, sp, so))
-        else:
-            results.append(run_hf_peer(args, prompts, out_lens))
-        print("RESULT", results[-1], flush=True)
+    if args.engine_run:                         # a child: one engine, one JSON line for the parent
+        n = args.subset or len(prompts)
+        run = run_engine if args.engine_run == "course" else run_hf_peer
+        result = run(args, prompts[:n], out_lens[:n])
+        print("ENGINE_JSON " + json.dumps(result), flush=True)
+        return 0
+    if args.profile:
+        from .profile import profile_steps
+        return profile_steps(args, prompts, out_lens, say)
+    from rich.table import Table
+    if args.peer == "hf":                       # every engine in its own process: the whole GPU each
+        n = min(args.peer_num_seqs or args.num_seqs, args.num_seqs)
+        runs = [("course", args.num_seqs)] + ([("course", n)] if n != args.num_seqs else []) + [("hf", n)]
+        results = []
+        for engine, count in runs:
+            r = _child(argv, engine, count, say)
+            if r is None:
+                return 1
+            if engine == "course" and count != args.num_seqs:
+                r["engine"] = f"course ({count} prompts)"
+            results.append(r)
+    else:
+        results = [run_engine(args, prompts, out_lens)]
     table = Table(title=f"./check.sh bench --model {args.model}  ({torch.cuda.get_device_name()})")
     for col in ("engine", "prompts", "output tok", "seconds", "output tok/s", "prefill tok/s", "decode tok/s",
-                "mean step ms", "decode step ms"):
+                "mean step ms", "decode step ms", "free GiB at start"):
         table.add_column(col)
     for r in results:
         table.add_row(r["engine"], str(r["num_seqs"]), str(r["output_tokens"]), f"{r['seconds']:.2f}",
                       f"{r['tok_per_s']:.0f}", f"{r.get('prefill_tok_per_s', 0):.0f}",
                       f"{r.get('decode_tok_per_s', 0):.0f}", f"{r.get('mean_step_ms', 0):.2f}",
-                      f"{r.get('mean_decode_step_ms', 0):.2f}")
+                      f"{r.get('mean_decode_step_ms', 0):.2f}", f"{r.get('free_gib_at_start', 0):.1f}")
     say(table)
     eng = results[0]
     say(f"KV blocks {eng['kv_blocks']} × {eng['block_size']} tokens; CUDA-graph buckets {eng['cuda_graph_buckets']}; "
         f"start-up {eng['startup_s']:.1f} s")
+    compiled = eng.get("triton_compiles_in_timed_run", [])
+    say(f"Triton compiles during the timed run: {len(compiled)}"
+        + (f" ({', '.join(sorted(set(compiled)))}: their compile time is in the wall time above)" if compiled else ""))
     if "gpu_decode_step_ms" in eng:
-        say(f"decode step: {eng['mean_decode_step_ms']:.2f} ms wall vs {eng['gpu_decode_step_ms']:.2f} ms GPU (graph replay "
-            f"at batch {min(args.num_seqs, args.max_num_seqs)}, mean context) -> CPU/launch share "
-            f"{max(0.0, 1 - eng['gpu_decode_step_ms'] / max(eng['mean_decode_step_ms'], 1e-9)):.0%}")
+        wall = eng.get("full_batch_decode_step_ms", eng["mean_decode_step_ms"])
+        say(f"decode step at the full batch {min(eng['num_seqs'], args.max_num_seqs)}: {wall:.2f} ms wall (mean of those "
+            f"steps) vs {eng['gpu_decode_step_ms']:.2f} ms GPU (one graph replay, every sequence at the mean prompt length "
+            f"+ 32) -> host share {max(0.0, 1 - eng['gpu_decode_step_ms'] / max(wall, 1e-9)):.0%}")
     for line in time_breakdown(eng):
         say(line)
-    if len(results) == 3:
-        say(f"[bold]ratio course / HF on the same {results[1]['num_seqs']} prompts: "
-            f"{results[1]['tok_per_s'] / results[2]['tok_per_s']:.1f}×[/]")
+    if args.peer == "hf":
+        ours, hf = results[-2], results[-1]
+        free = (ours["free_gib_at_start"], hf["free_gib_at_start"])
+        if abs(free[0] - free[1]) > 0.05 * max(free):
+            say(f"[red]不比较：两次运行开始时空闲显存不同（本课 {free[0]:.1f} GiB，HF {free[1]:.1f} GiB），条件不对等。[/]")
+        else:
+            say(f"[bold]ratio course / HF on the same {ours['num_seqs']} prompts, each in its own process "
+                f"({free[0]:.1f} / {free[1]:.1f} GiB free at start): {ours['tok_per_s'] / hf['tok_per_s']:.1f}×[/]")
     if args.plot:
         try:
             import matplotlib
@@ -317,6 +391,30 @@ def main(argv: list[str], say) -> int:
     if args.json:
         open(args.json, "w").write(line)
     return 0
+
+
+def _child(argv: list[str], engine: str, count: int, say) -> dict | None:
+    """One engine on the first `count` prompts in a fresh process (`--engine-run`); its result dict, None if it failed."""
+    import subprocess
+    import sys
+    parent_only = {"--plot", "--json", "--peer", "--peer-num-seqs"}
+    child_argv, skip = [], False
+    for a in argv:                               # the workload flags travel; what only the parent does stays here
+        if skip:
+            skip = False
+            continue
+        if a.split("=")[0] in parent_only:
+            skip = "=" not in a
+            continue
+        child_argv.append(a)
+    cmd = [sys.executable, "-m", "course", "bench", *child_argv, "--engine-run", engine, "--subset", str(count)]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("ENGINE_JSON ")]
+    print("\n".join(line for line in proc.stdout.splitlines() if not line.startswith("ENGINE_JSON ")), flush=True)
+    if proc.returncode or not lines:
+        say(f"[red]{engine}（{count} 条）的运行失败（exit {proc.returncode}）[/]")
+        return None
+    return json.loads(lines[-1][len("ENGINE_JSON "):])
 
 
 def bench_tp(args, argv: list[str], say) -> int:
@@ -376,10 +474,12 @@ def _replay_ms(runner, batch: int, context: int, num_blocks: int) -> float:
     """GPU time of one decode-graph replay at `batch` sequences of `context` tokens (every rank calls it)."""
     import torch
     bs = next(b for b in sorted(runner.graphs) if b >= min(batch, max(runner.graphs)))
+    context = max(1, min(context, runner.max_blocks_per_seq * runner.block_size))
     per_seq = -(-context // runner.block_size)
     s = runner.static
     gen = torch.Generator(device=s["tables"].device).manual_seed(0)
-    blocks = torch.randperm(num_blocks, device=s["tables"].device, generator=gen)[:bs * per_seq].view(bs, per_seq)
+    # random blocks (with replacement when the pool holds fewer than bs * per_seq): the reads stay scattered
+    blocks = torch.randint(0, num_blocks, (bs, per_seq), device=s["tables"].device, generator=gen)
     with torch.inference_mode():
         s["tables"][:bs, :per_seq] = blocks.int()
         s["lens"][:bs] = context

@@ -55,6 +55,11 @@ def bench_k01(m, peak: float) -> None:
     moved = 2 * 2 * n * nkv * d * 2                                  # k and v, read and written
     _row("store_kvcache 8k tokens, nKV 8, D 128 (strided k/v)", _bench(lambda: m.store_kvcache(k, v, kc, vc, slots)),
          moved, "GB/s", peak, "target >= 80 %")
+    # the anchor at this size: one 67 MB problem pays a launch and a ramp that a 2 GiB copy spreads thin
+    src = torch.empty(moved // 4, dtype=torch.int16, device="cuda")
+    dst = torch.empty_like(src)
+    _row("  torch D2D copy of the same bytes (one launch, contiguous)", _bench(lambda: dst.copy_(src)), moved, "GB/s", peak)
+    del src, dst
     for hidden in (1024, 4096):
         x = torch.randn(n, hidden, dtype=bf16, device="cuda")
         res = torch.randn_like(x)

@@ -4,7 +4,9 @@
     ./check.sh bench --serve --model DIR --requests 256 --clients 64 --max-in 1024 --max-out 1024
 
 One engine, two runs of the same kind of workload (nano-vllm's bench.py: random token prompts, random output
-lengths, ignore_eos; a different seed for each run so the second cannot hit the first one's prefix cache):
+lengths, ignore_eos; a different seed for each run so the second cannot hit the first one's prefix cache), both
+driven from a new thread as the server's engine thread is (torch's per-thread settings, such as the number of
+intra-op threads, are then the same for both), so that the ratio measures the serving layer only:
 1. offline: `LLM.generate` on every request at once;
 2. HTTP: the e06 server on 127.0.0.1 (uvicorn on a thread of this process) and `clients` concurrent streaming
    clients (closed loop: each sends its next request when the previous one ends).
@@ -21,6 +23,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -95,6 +98,29 @@ def _clients_in_own_process(url: str, model: str, requests: list, clients: int) 
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _on_new_thread(fn):
+    """fn() on a fresh thread, the way AsyncEngine runs the engine; its result (or its exception)."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["result"] = fn()
+        except BaseException as exc:   # noqa: BLE001  re-raised below, on the caller's thread
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, name="bench-offline")
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["result"]
+
+
+def _threads() -> int:
+    import torch
+    return torch.get_num_threads()
+
+
 def bench_serve(llm, e01, e06, requests: int = 64, clients: int = 32, min_in: int = 16, max_in: int = 64,
                 min_out: int = 16, max_out: int = 64, max_pending: int | None = None, model_name: str = "bench",
                 seed: int = 0, vocab: int | None = None) -> dict:
@@ -103,14 +129,17 @@ def bench_serve(llm, e01, e06, requests: int = 64, clients: int = 32, min_in: in
     Prompt tokens are drawn from [0, vocab) (default min(vocab_size, 10000), as nano-vllm's bench.py).
     """
     vocab = vocab or min(llm.vocab_size, 10000)
-    llm.generate([[1, 2, 3]], e01.SamplingParams(temperature=0, max_tokens=4))          # warm-up
     offline = workload(requests, vocab, seed, min_in, max_in, min_out, max_out)
     params = [e01.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in offline]
-    start = time.perf_counter()
-    outs = llm.generate([p for p, _ in offline], params)
-    seconds = time.perf_counter() - start
-    done = sum(len(o.token_ids) for o in outs)
-    result = {"offline": {"seconds": seconds, "tokens": done, "tok_s": done / seconds}}
+
+    def run_offline():
+        llm.generate([[1, 2, 3]], e01.SamplingParams(temperature=0, max_tokens=4))      # warm-up
+        start = time.perf_counter()
+        outs = llm.generate([p for p, _ in offline], params)
+        return time.perf_counter() - start, sum(len(o.token_ids) for o in outs), _threads()
+
+    seconds, done, threads = _on_new_thread(run_offline)
+    result = {"offline": {"seconds": seconds, "tokens": done, "tok_s": done / seconds, "torch_threads": threads}}
 
     engine = e06.AsyncEngine(llm, max_pending=max_pending or requests + clients).start()
     server = BackgroundServer(e06.build_app(engine, model_name))
@@ -164,7 +193,8 @@ def main(argv: list[str], say) -> int:
     r = bench_serve(llm, e01, e06, args.requests, args.clients, args.min_in, args.max_in, args.min_out, args.max_out,
                     args.max_pending, name, vocab=vocab)
     off, http = r["offline"], r["http"]
-    say(f"离线 LLM.generate：{off['tokens']} tokens / {off['seconds']:.2f} s = {off['tok_s']:.0f} tok/s")
+    say(f"离线 LLM.generate（新线程上，与服务的引擎线程相同；torch 线程数 {off['torch_threads']}）："
+        f"{off['tokens']} tokens / {off['seconds']:.2f} s = {off['tok_s']:.0f} tok/s")
     say(f"HTTP（{http['clients']} 个流式客户端）：{http['tokens']} tokens / {http['seconds']:.2f} s = {http['tok_s']:.0f} tok/s"
         f"（离线的 {r['ratio']:.0%}）；TTFT p50 {http['ttft_p50_s'] * 1000:.0f} ms、p95 {http['ttft_p95_s'] * 1000:.0f} ms；"
         f"503 {http['http_503']} 次；错误 {len(http['errors'])} 个")

@@ -2,7 +2,9 @@
 
     ./check.sh serve                                  the offline tiny dummy Qwen3 (byte tokenizer) on 127.0.0.1:8000
     ./check.sh serve --model DIR --port 8001          a real HF folder: weights, tokenizer and chat template
+    ./check.sh serve --host 0.0.0.0 --api-key KEY     reachable from the network: clients send "Authorization: Bearer KEY"
 
+There is no authentication unless --api-key is given: anyone who can reach the port can spend the machine's compute.
 Needs fastapi, uvicorn (and the openai client for the checks): they are in pyproject.toml.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import ipaddress
 import threading
 import time
 
@@ -18,6 +21,17 @@ from .run import auto_selection, tiny_dummy_config
 
 PACKAGES = ("fastapi", "uvicorn")
 DUMMY_NAME = "qwen3-tiny-dummy"
+GRACEFUL_SHUTDOWN_S = 5        # Ctrl-C: open connections get this long, then they are closed (a half-sent body too)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps the server reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:              # a host name: it may resolve to anything
+        return False
 
 
 def missing_packages(names=PACKAGES) -> list[str]:
@@ -75,6 +89,7 @@ def main(argv: list[str], say) -> int:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-pending", type=int, default=256, help="requests in flight before HTTP 503")
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer API_KEY' on every /v1 request (401 otherwise)")
     args = parser.parse_args(argv)
     missing = missing_packages()
     if missing:
@@ -95,13 +110,18 @@ def main(argv: list[str], say) -> int:
         name = DUMMY_NAME
         say("模型：离线的迷你 Qwen3（随机 dummy 权重，字节级 tokenizer）——输出是随机文本，只用来验证服务能跑通。")
     engine = e06.AsyncEngine(llm, max_pending=args.max_pending).start()
-    app = e06.build_app(engine, name)
+    app = e06.build_app(engine, name, api_key=args.api_key) if args.api_key else e06.build_app(engine, name)
+    if not is_loopback(args.host):
+        say(f"[yellow]警告：监听 {args.host} 时，能连上这台机器 {args.port} 端口的任何人都能调用这个服务、占用它的算力"
+            + ("（已要求 API key）。[/]" if args.api_key else "；它没有身份验证——请加 --api-key KEY，或只监听 127.0.0.1。[/]"))
     say(f"OpenAI 兼容的服务：http://{args.host}:{args.port}/v1  模型名 {name!r}  （Ctrl-C 停止）")
-    say(f"  curl http://{args.host}:{args.port}/v1/completions -H 'Content-Type: application/json' "
+    auth = " -H 'Authorization: Bearer $API_KEY'" if args.api_key else ""
+    say(f"  curl http://{args.host}:{args.port}/v1/completions -H 'Content-Type: application/json'{auth} "
         f"-d '{{\"model\": \"{name}\", \"prompt\": \"你好\", \"max_tokens\": 16}}'", markup=False)
     import uvicorn
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info",
+                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     finally:
         engine.shutdown()
     return 0

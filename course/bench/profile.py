@@ -1,0 +1,172 @@
+"""`./check.sh bench --profile`: where one prefill step and one decode step spend their time (torch.profiler).
+
+On the bench workload (same prompts, same engine, warmed up as `./check.sh bench` does):
+  prefill   the workload's prefill steps (16k prompt tokens each, the last ones mixed with decodes): step 2 under
+            the profiler, every other one timed plainly; split into GPU kernel time by kernel class, GPU busy time (the union of kernel intervals)
+            and the step's wall time; the rest of the wall time is the host (Python, launches, waiting)
+  decode    the first decode step with the batch full, likewise (the steps before it unprofiled), then one
+            CUDA-graph replay at batch 1 under the profiler: the GPU floor of a small-batch step
+  host      the CPU operators with the most self time in the profiled prefill step, and how many times the
+            host waited for the device (cudaStreamSynchronize / cudaDeviceSynchronize / blocking memcpy)
+The profiler adds a few microseconds of host time per operator: the plain wall times beside it are the
+numbers to quote; the profiled step gives the split.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+# kernel name -> class (first match wins); everything else is "torch elementwise / other"
+KERNEL_CLASSES = [
+    ("GEMM (cuBLAS)", r"gemm|gemv|nvjet|cutlass|xmma|cublas|splitKreduce|sm90_"),
+    ("attention prefill (k02)", r"_prefill_kernel"),
+    ("attention decode (k02)", r"_decode_split_kernel|_decode_reduce_kernel"),
+    ("store_kvcache (k01)", r"_store_kvcache"),
+    ("add_rms_norm (k01)", r"_add_rms_norm"),
+    ("qk-norm + RoPE (g01)", r"_qk_norm_rope"),
+    ("SiLU·up (g01)", r"_silu_mul"),
+    ("fused MoE (k03)", r"_gate_up_kernel|_down_kernel|_count_kernel|_align_kernel"),
+    ("Gated DeltaNet (k04)", r"_conv_update|_conv_prefill|_conv_state|_chunk_prep|_chunk_state|_decode_rule"),
+    ("sampling (g01)", r"_sample_kernel"),
+    ("memcpy / memset", r"[Mm]emcpy|[Mm]emset"),
+]
+SYNC_CALLS = re.compile(r"cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|cudaMemcpy(?!Async)")
+
+
+def _classify(name: str) -> str:
+    for label, pattern in KERNEL_CLASSES:
+        if re.search(pattern, name):
+            return label
+    return "torch elementwise / other"
+
+
+def _split(prof, wall_ms: float) -> dict:
+    """Kernel time by class, GPU busy time (union of the kernel intervals), span, host sync count, top CPU ops."""
+    from torch.autograd import DeviceType
+    kernels, syncs = [], 0
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            kernels.append((e.time_range.start, e.time_range.end, e.name))
+        elif SYNC_CALLS.search(e.name):
+            syncs += 1
+    by_class: dict[str, list[float]] = {}
+    for start, end, name in kernels:
+        entry = by_class.setdefault(_classify(name), [0, 0.0])
+        entry[0] += 1
+        entry[1] += (end - start) / 1e3
+    busy, last_end = 0.0, None
+    for start, end, _ in sorted(kernels):
+        if last_end is None or start >= last_end:
+            busy += end - start
+            last_end = end
+        elif end > last_end:
+            busy += end - last_end
+            last_end = end
+    span = (max(k[1] for k in kernels) - min(k[0] for k in kernels)) / 1e3 if kernels else 0.0
+    cpu = sorted((e for e in prof.key_averages() if e.self_cpu_time_total > 0),
+                 key=lambda e: -e.self_cpu_time_total)[:10]
+    return dict(wall_ms=wall_ms, kernels=len(kernels), gpu_busy_ms=busy / 1e3, gpu_span_ms=span,
+                host_syncs=syncs, by_class={k: dict(count=v[0], ms=v[1]) for k, v in by_class.items()},
+                top_cpu_ops=[(e.key, e.count, e.self_cpu_time_total / 1e3) for e in cpu])
+
+
+def _timed_step(llm) -> tuple[float, bool]:
+    import torch
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    llm.step()
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - t), llm.runner.last_was_decode
+
+
+def _profiled(fn) -> tuple[object, float]:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall = 1e3 * (time.perf_counter() - t)
+    return prof, wall
+
+
+def _say_split(title: str, split: dict, plain_ms: list[float], say) -> None:
+    from rich.table import Table
+    table = Table(title=title)
+    for col in ("kernel class", "kernels", "GPU ms", "share of GPU busy"):
+        table.add_column(col)
+    for label, v in sorted(split["by_class"].items(), key=lambda kv: -kv[1]["ms"]):
+        table.add_row(label, str(v["count"]), f"{v['ms']:.3f}", f"{v['ms'] / max(split['gpu_busy_ms'], 1e-9):.0%}")
+    say(table)
+    plain = ", ".join(f"{ms:.2f}" for ms in plain_ms)
+    say(f"wall: {plain} ms (plain steps), {split['wall_ms']:.2f} ms (profiled step); GPU busy {split['gpu_busy_ms']:.2f} ms "
+        f"({split['kernels']} kernels, first-to-last span {split['gpu_span_ms']:.2f} ms); "
+        f"wall / GPU busy = {split['wall_ms'] / max(split['gpu_busy_ms'], 1e-9):.2f}; "
+        f"host waits for the device: {split['host_syncs']}")
+
+
+def profile_steps(args, prompts, out_lens, say) -> int:
+    import torch
+    from .engine import _replay_ms, _time_calls, build_engine, watch_compiles
+    llm, SamplingParams, _ = build_engine(args, prompts)
+    for p, n in zip(prompts, out_lens):
+        llm.add_request(p, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n))
+    report = {}
+    with watch_compiles() as compiled:
+        plain = [_timed_step(llm)[0]]
+        prof, wall = _profiled(llm.step)
+        if llm.runner.last_was_decode:
+            say("[yellow]the second step was already a decode step: the workload has under two prefill steps[/]")
+        report["prefill"] = _split(prof, wall)
+        decode_plain = []
+        runner = getattr(llm.runner, "inner", llm.runner)
+        host, restore = _time_calls({"schedule": (llm.scheduler, "schedule"), "run": (llm.runner, "run"),
+                                     "prefill forward launch": (runner, "_run_prefill"),
+                                     "postprocess": (llm.scheduler, "postprocess")})
+        while llm.has_unfinished():                 # the remaining prefill / mixed steps, plainly timed
+            ms, was_decode = _timed_step(llm)
+            (decode_plain if was_decode else plain).append(ms)
+            if was_decode:
+                break
+        restore()
+        report["prefill"]["plain_step_ms"] = plain
+        report["prefill"]["host_ms_per_step"] = {k: v * 1e3 / max(len(plain) - 1, 1) for k, v in host.items()}
+        _say_split(f"prefill step ({args.model}, {sum(map(len, prompts))} prompt tokens in all, "
+                   f"max_num_batched_tokens 16384)", report["prefill"], plain, say)
+        say("host ms per plain prefill step after the profiled one ('run' includes waiting for the GPU): "
+            + ", ".join(f"{k} {v:.1f}" for k, v in report["prefill"]["host_ms_per_step"].items()))
+        say("CPU operators by self time (profiled prefill step): "
+            + "; ".join(f"{k} ×{n} {ms:.1f} ms" for k, n, ms in report["prefill"]["top_cpu_ops"][:8]))
+        while llm.has_unfinished() and len(decode_plain) < 3:
+            ms, was_decode = _timed_step(llm)
+            if was_decode:
+                decode_plain.append(ms)
+                if len(decode_plain) >= 3:
+                    break
+        batch = len(llm.scheduler.running)
+        prof, wall = _profiled(llm.step)
+        report["decode"] = _split(prof, wall)
+        report["decode"]["batch"] = batch
+        _say_split(f"decode step, batch {batch} (CUDA graph)", report["decode"], decode_plain, say)
+        if runner.graphs:
+            one = min(runner.graphs)
+            context = sum(map(len, prompts)) // len(prompts)
+            _replay_ms(runner, one, context, runner.num_blocks)          # stage a batch-1 replay, then profile one
+            prof, wall = _profiled(runner.graphs[one].replay)
+            report["decode_graph_b1"] = _split(prof, wall)
+            _say_split(f"one CUDA-graph replay at batch {one}, context {context} (the GPU floor of a small-batch step)",
+                       report["decode_graph_b1"], [], say)
+    say(f"Triton compiles during the profiled steps: {len(compiled)}"
+        + (f" ({', '.join(sorted(set(compiled)))})" if compiled else ""))
+    report["triton_compiles"] = compiled
+    for part in ("prefill", "decode", "decode_graph_b1"):
+        if part in report:
+            report[part]["top_cpu_ops"] = report[part]["top_cpu_ops"][:10]
+    print("PROFILE_JSON " + json.dumps(report), flush=True)
+    if args.json:
+        open(args.json, "w").write(json.dumps(report))
+    llm.close()
+    return 0

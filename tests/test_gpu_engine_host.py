@@ -1,0 +1,94 @@
+"""The GPU engine's given pieces that the g01 checks only reach on a GPU, checked on the CPU.
+
+- GPUModelRunner._prefill_inputs (numpy) builds the same arrays as e04's prepare_batch (torch) on scheduler batches
+  with prefix-cache hits, chunked prefills and decodes mixed in, at several block sizes.
+- qk_norm_rope (q and k heads of a token in one program) and _silu_mul_kernel, run in Triton's interpreter, against
+  m01's RMSNorm + m02's RotaryEmbedding and F.silu(gate) * up: one token and many, plain and gated q, (1+w) norm.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_prefill_inputs_match_prepare_batch():
+    from solutions.e01_sampling import SamplingParams
+    from solutions.e02_block_manager import BlockManager, Sequence
+    from solutions.e03_scheduler import Scheduler, SchedulerConfig
+    from solutions.e04_model_runner import prepare_batch
+    from solutions.g01_gpu_engine import GPUModelRunner
+    for block_size, budget, seed in ((16, 700, 0), (4, 64, 1), (32, 300, 2)):
+        rnd = random.Random(seed)
+        shared = [rnd.randint(0, 999) for _ in range(150)]
+        bm = BlockManager(4000, block_size, enable_prefix_caching=True)
+        sch = Scheduler(SchedulerConfig(max_num_seqs=12, max_num_batched_tokens=budget, max_model_len=1024,
+                                        eos_token_id=-1, enable_chunked_prefill=True), bm)
+        for i in range(30):
+            prompt = (shared[:rnd.randint(0, 150)] if i % 2 else []) + [rnd.randint(0, 999) for _ in range(rnd.randint(1, 200))]
+            seq = Sequence(prompt, SamplingParams(ignore_eos=True, max_tokens=rnd.randint(1, 20)))
+            seq.block_size = block_size
+            sch.add(seq)
+        runner = types.SimpleNamespace(block_size=block_size, gdn_pool=None)
+        steps = 0
+        while not sch.is_finished():
+            seqs = sch.schedule()
+            ids, pos, ctx = prepare_batch(seqs, block_size)
+            got = GPUModelRunner._prefill_inputs(runner, seqs)
+            want = [ids, pos, ctx.cu_seqlens_q, ctx.cu_seqlens_k, ctx.slot_mapping, ctx.block_tables, ctx.context_lens]
+            for name, a, b in zip(("ids", "positions", "cu_q", "cu_k", "slots", "block tables", "context lens"), got, want):
+                assert a.shape == tuple(b.shape) and np.array_equal(a, b.numpy()), (name, steps, a, b)
+            assert np.array_equal(got[7], np.full(len(seqs), -1))
+            sch.postprocess(seqs, [rnd.randint(0, 999) for _ in seqs])
+            steps += 1
+        assert steps > 10
+
+
+SCRIPT = r"""
+import torch, torch.nn.functional as F
+from solutions import g01_gpu_engine as g
+from solutions.m01_rmsnorm import RMSNorm, GemmaRMSNorm
+from solutions.m02_rope import RotaryEmbedding
+torch.manual_seed(0)
+for n, gated, gemma, rotary in ((1, False, False, 32), (5, False, True, 64), (3, True, True, 32), (4, True, False, 64)):
+    nh, nkv, d = 6, 2, 64
+    qw = (2 if gated else 1) * nh * d
+    qkv = torch.randn(n, qw + 2 * nkv * d)
+    q, k, _ = qkv.split([qw, nkv * d, nkv * d], dim=-1)
+    q = q.view(n, nh, 2 * d).chunk(2, dim=-1)[0] if gated else q.view(n, nh, d)
+    k = k.view(n, nkv, d)
+    norm = GemmaRMSNorm if gemma else RMSNorm
+    qn, kn = norm(d, eps=1e-6), norm(d, eps=1e-6)
+    with torch.no_grad():
+        qn.weight.normal_()
+        kn.weight.normal_()
+    rope = RotaryEmbedding(d, rotary, 256, 10000.0)
+    pos = torch.randint(0, 256, (n,))
+    want_q, want_k = rope(pos, qn(q), kn(k))
+    got_q, got_k = g.qk_norm_rope(q, k, qn.weight, kn.weight, 1e-6, gemma, pos, rope.cos_sin_cache, rotary)
+    for got, want in ((got_q, want_q), (got_k, want_k)):
+        err = (got - want).abs().max().item()
+        assert err < 1e-5, (n, gated, gemma, rotary, err)
+gate_up = torch.randn(7, 2 * 1500)
+h = torch.empty(7, 1500)
+g._silu_mul_kernel[(7, 2)](gate_up, h, 7, 1500, gate_up.stride(0), h.stride(0), BLOCK=1024)
+gate, up = gate_up.chunk(2, dim=-1)
+assert (h - F.silu(gate) * up).abs().max().item() < 1e-5
+print("OK")
+"""
+
+
+def test_fused_kernels_match_torch_in_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(SCRIPT)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
