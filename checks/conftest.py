@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from checks.kit import crash_text  # noqa: E402
 from checks.timeouts import CheckTimeout, HungEarlier, Watchdog  # noqa: E402
 from course.grader import select  # noqa: E402
 from course.grader.grade import CHECK_TIMEOUT_S  # noqa: E402
@@ -110,16 +111,27 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 def _learner_location(excinfo) -> str:
-    """file:line of the deepest frame inside an exercise file (mine/, solutions/ or a planted copy)."""
+    """file:line of the deepest frame inside an exercise file (mine/, solutions/ or a planted copy), taken from the
+    innermost exception of the chain that has one. The Triton interpreter (TRITON_INTERPRET=1) raises an
+    InterpreterError at the kernel launch whose __cause__ holds the failing line inside the @triton.jit function;
+    a check's explain_crash re-raises `from` the learner's exception the same way."""
     exc = excinfo.value
     if isinstance(exc, SyntaxError) and exc.filename:
         return f"{_short(exc.filename)}:{exc.lineno}"
-    where = ""
-    for frame, lineno in traceback.walk_tb(excinfo.tb):
-        name = frame.f_code.co_filename
-        if frame.f_globals.get("__name__", "").startswith(select.PACKAGE + "."):
-            where = f"{_short(name)}:{lineno}"
-    return where
+    chain, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    for i, exc in enumerate(reversed(chain)):                  # the original exception first
+        tb = excinfo.tb if i == len(chain) - 1 else exc.__traceback__
+        where = ""
+        for frame, lineno in traceback.walk_tb(tb):
+            if frame.f_globals.get("__name__", "").startswith(select.PACKAGE + "."):
+                where = f"{_short(frame.f_code.co_filename)}:{lineno}"
+        if where:
+            return where
+    return ""
 
 
 def _short(path: str) -> str:
@@ -141,7 +153,7 @@ def _classify(call) -> tuple[str, str]:
         return "timeout", "超时：这个检查运行超过时限（死循环？或逐 token 的 Python 循环太慢）"
     if isinstance(exc, AssertionError):
         return "failed", text.split("\nassert ")[0].strip()
-    return "error", f"{type(exc).__name__}: {text}".strip()
+    return "error", crash_text(exc).strip()
 
 
 @pytest.hookimpl(hookwrapper=True)

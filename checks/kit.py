@@ -170,19 +170,33 @@ def assert_dtype(actual: torch.Tensor, dtype: torch.dtype, *, what: str, mistake
         raise AssertionError(f"{what}：dtype 应为 {dtype}，得到 {actual.dtype}{hint}")
 
 
+def crash_text(exc: BaseException) -> str:
+    """'Type: message' of a crash; for the Triton interpreter's InterpreterError (raised at the kernel launch) the
+    error inside the @triton.jit function that it wraps (its __cause__), marked as such."""
+    if type(exc).__name__ == "InterpreterError" and exc.__cause__ is not None:
+        inner = exc.__cause__
+        return f"{type(inner).__name__}: {inner}（Triton 解释器：出错的是 @triton.jit 函数里的这一行，见“位置”）"
+    return f"{type(exc).__name__}: {exc}"
+
+
 @contextlib.contextmanager
 def explain_crash(patterns: dict[str, str]):
-    """Turn a crash whose text contains a known fragment into a failure naming the mistake.
+    """Turn a crash whose text contains a known fragment into a failure naming the mistake (chained `from` the
+    crash, so the grader's 位置 is still the line in the exercise file; for a Triton kernel run by the
+    interpreter, the line inside the @triton.jit function).
 
     with explain_crash({"cannot be multiplied": "gate/up 投影少了转置"}): ...
     """
     try:
         yield
-    except (RuntimeError, IndexError, AttributeError, TypeError, ValueError) as exc:
-        text = str(exc)
+    except Exception as exc:
+        crash = (RuntimeError, IndexError, AttributeError, TypeError, ValueError)
+        if not isinstance(exc, crash) and type(exc).__name__ != "InterpreterError":
+            raise
+        text = crash_text(exc)
         for fragment, mistake in patterns.items():
             if fragment in text:
-                raise AssertionError(f"运行出错：{type(exc).__name__}: {text}\n  看起来像易错点：{mistake}") from exc
+                raise AssertionError(f"运行出错：{text}\n  看起来像易错点：{mistake}") from exc
         raise
 
 

@@ -124,7 +124,25 @@ def _llm(folder, **kwargs):
     kwargs = {"device": "cuda", "max_num_seqs": 16, "max_model_len": 512, "num_kvcache_blocks": 256,
               "block_size": 16, **kwargs}
     with explain_crash(CAPTURE):
-        return m.LLM(str(folder), **kwargs)
+        llm = m.LLM(str(folder), **kwargs)
+    _guard_decode_rows(llm, Path(m.__file__).name)
+    return llm
+
+
+def _guard_decode_rows(llm, source: str) -> None:
+    """Name a broken _run_decode contract where it happens (otherwise it surfaces as a size mismatch inside e01's
+    sampler, far from the learner's file): every decode step must return exactly one row per sequence."""
+    runner = getattr(llm.runner, "inner", llm.runner)          # rank 0's own runner under tensor parallel
+    decode = runner._run_decode
+
+    def checked(seqs):
+        hidden = decode(seqs)
+        if hidden.shape[0] != len(seqs):
+            raise AssertionError(f"{source} 的 GPUModelRunner._run_decode 对 {len(seqs)} 个序列返回了 {hidden.shape[0]} 行"
+                                 f"\n  看起来像易错点：{M_PADDED_ROWS}")
+        return hidden
+
+    runner._run_decode = checked
 
 
 @point("fp32 greedy 与 HF generate 逐 token 一致：五个家族，CUDA graphs 开与关")
@@ -427,7 +445,120 @@ def test_card_example():
     assert tables == [[7, 2, -1], [4, -1, -1], [-1, -1, -1], [-1, -1, -1]], f"tables = {tables}"
 
 
-@point("DeviceSampler 的单遍采样：greedy 等于 argmax（并列取第一个）；温度采样的概率符合 softmax(x/T)；manual_seed 可复现")
+M_PADDED_ROWS = ("GPUModelRunner._run_decode 的契约：返回 hidden [b, H]，只有本步真实的 b 行（static[\"out\"][:b]）；"
+                 "补齐到桶大小的行不能返回，否则 run() 把 bs 行 logits 交给采样器，而参数只有 b 个")
+M_STALE = ("replay 前换掉了静态 buffer，而不是拷进去：graph 读的是 capture 时那块内存（应是 "
+           "static[name][:bs].copy_(本步的值)，不是 static[name] = 本步的值）")
+M_BUCKET = "选桶选成了不大于 b 的最大桶：应选不小于 b 的最小桶（b 个序列都要有一行）"
+
+
+class _FakeGraph:
+    """Stands in for a captured CUDA graph on the CPU: replay() reads the static tensors it was captured with (a
+    real graph reads those addresses, whatever the dict holds now) and writes, for each of its bs rows,
+    out = [id, position, slot, context length, GDN slot, first block of the table]."""
+
+    def __init__(self, static: dict, bs: int, log: list):
+        self.captured, self.bs, self.log = dict(static), bs, log
+
+    def replay(self) -> None:
+        t, bs = self.captured, self.bs
+        self.log.append(bs)
+        cols = (t["ids"][:bs], t["pos"][:bs], t["slots"][:bs], t["lens"][:bs], t["gdn"][:bs], t["tables"][:bs, 0])
+        t["out"][:bs] = torch.stack([c.float() for c in cols], dim=1)
+
+
+def _fake_runner(m, r: Rand, max_num_seqs: int = 8, block_size: int = 4, max_blocks: int = 3):
+    """A GPUModelRunner without a model or a GPU: the static buffers the card names (dtypes as capture_cudagraphs
+    makes them), a _FakeGraph per bucket and an unpinned staging buffer. Returns (runner, replayed buckets, rows
+    asked of _decode_inputs)."""
+    runner = object.__new__(m.GPUModelRunner)
+    runner.block_size, runner.max_num_seqs, runner.max_blocks_per_seq = block_size, max_num_seqs, max_blocks
+    runner.device, runner.dtype, runner.gdn_pool = torch.device("cpu"), torch.float32, None
+    runner.host = torch.zeros(max_num_seqs * (5 + max_blocks) + 8, dtype=torch.int64)
+    rows = max_num_seqs
+    runner.static = {"ids": torch.zeros(rows, dtype=torch.int64), "pos": torch.zeros(rows, dtype=torch.int64),
+                     "slots": torch.full((rows,), -1, dtype=torch.int64), "lens": torch.zeros(rows, dtype=torch.int32),
+                     "gdn": torch.full((rows,), -1, dtype=torch.int32),
+                     "tables": torch.full((rows, max_blocks), -1, dtype=torch.int32),
+                     "cu": torch.arange(rows + 1, dtype=torch.int32), "out": torch.zeros(rows, 6)}
+    replayed, asked = [], []
+    runner.graphs = {bs: _FakeGraph(runner.static, bs, replayed) for bs in m.batch_buckets(max_num_seqs)}
+    inputs = m.GPUModelRunner._decode_inputs
+    runner._decode_inputs = lambda seqs, rows: (asked.append(rows), inputs(runner, seqs, rows))[1]
+    return runner, replayed, asked
+
+
+def _decode_batch(e02, r: Rand, n: int, block_size: int, max_blocks: int):
+    """n decode sequences with random lengths and block tables, and the rows the fake graph should return."""
+    seqs, want = [], []
+    for _ in range(n):
+        length = r.int(1, block_size * max_blocks)
+        seq = e02.Sequence(r.randint(1, 1000, (length,)).tolist())
+        seq.num_cached_tokens = length - 1
+        seq.num_scheduled_tokens = 1
+        seq.block_table = r.randint(0, 50, (-(-length // block_size),)).tolist()
+        c = length - 1
+        slot = seq.block_table[c // block_size] * block_size + c % block_size
+        seqs.append(seq)
+        want.append([seq.last_token, c, slot, c + 1, -1, seq.block_table[0]])
+    return seqs, torch.tensor(want, dtype=torch.float32)
+
+
+@point("decode 一步的契约（CPU 上用假的 CUDA graph）：选不小于 b 的最小桶、把本步的输入拷进静态 buffer（不换掉）、只返回真实的 b 行")
+def test_decode_step_contract():
+    m, e02 = impl(MODULE), impl("e02_block_manager")
+    r = Rand()
+    runner, replayed, asked = _fake_runner(m, r)
+    source = Path(m.__file__).name
+    for step, n in enumerate((r.choice([3, 5, 6, 7]), r.choice([3, 5, 6, 7]))):      # never a bucket size: padding
+        seqs, want = _decode_batch(e02, r, n, runner.block_size, runner.max_blocks_per_seq)
+        bucket = next(b for b in sorted(runner.graphs) if b >= n)
+        replayed.clear(), asked.clear()
+        captured = runner.graphs[bucket].captured
+        what = f"第 {step + 1} 步，b = {n} 个序列（应选桶 {bucket}）"
+        try:
+            hidden = runner._run_decode(seqs)
+        except NotImplementedError:
+            raise
+        except (ValueError, IndexError, RuntimeError) as exc:
+            small = [x for x in asked + replayed if x < n]
+            raise AssertionError(f"{what}：{source} 的 GPUModelRunner._run_decode 出错：{type(exc).__name__}: {exc}"
+                                 + (f"（它用了 {small[0]} 行）\n  看起来像易错点：{M_BUCKET}" if small else "")) from exc
+        small = [x for x in asked + replayed if x < n]
+        assert not small, f"{what}：用了 {small[0]} 行的桶\n  看起来像易错点：{M_BUCKET}；{r}"
+        assert replayed == [bucket], (f"{what}：应 replay 桶 {bucket} 的 graph 一次，实际 replay 了 {replayed or '没有'}"
+                                      "（有图时 decode 走 graph）；{r}")
+        assert isinstance(hidden, torch.Tensor), f"{what}：_run_decode 应返回 hidden 张量，得到 {type(hidden).__name__}"
+        assert hidden.shape[0] == n, (f"{what}：{source} 的 GPUModelRunner._run_decode 返回了 {hidden.shape[0]} 行，应为 "
+                                      f"{n} 行\n  看起来像易错点：{M_PADDED_ROWS}")
+        swapped = [k for k in ("ids", "pos", "slots", "lens", "gdn", "tables") if runner.static[k] is not captured[k]]
+        if not torch.equal(hidden.float(), want):
+            assert not swapped, (f"{what}：graph 读到的输入不是本步的（static 里的 {swapped} 已不是 capture 时的张量）"
+                                 f"\n  看起来像易错点：{M_STALE}；{r}")
+            raise AssertionError(f"{what}：replay 的输出与本步的输入不符（每行 [id, pos, slot, len, gdn, 第一个 block]）\n"
+                                 f"  得到 {hidden.tolist()}\n  期望 {want.tolist()}；{r}")
+
+
+def _wins_hint(wins: int, rows: int, temp: float, width: int) -> str:
+    """The mistake a wrong win count singles out. At T = 1 leaving T out changes nothing, so a failure there is the
+    noise itself; at T != 1 (checked after T = 1 passed) the count is compared with what x (T left out) and x·T
+    would give, and only the ones it is consistent with are named."""
+    if temp == 1.0:
+        if wins > rows - 8:
+            return ("；高分 token 几乎总是赢（T=1 时除不除以 T 都一样，所以问题在噪声本身）。看起来像易错点：Gumbel 噪声的"
+                    "符号反了（应是 x/T − log(−log U)，不是 x/T + log(−log U)）")
+        return ""
+    log_v = math.log(width - 1)
+    models = {"没有除以温度 T（x − log(−log U)）": 1 / (1 + math.exp(log_v * (1 - temp))),
+              "乘了温度而不是除以它（x·T − log(−log U)）": 1 / (1 + math.exp(log_v * (1 - temp * temp)))}
+    fits = [f"{name}，那样它赢的概率是 {p:.2f}" for name, p in models.items()
+            if abs(wins - rows * p) <= 4 * max(1.5, math.sqrt(rows * p * (1 - p)))]
+    if not fits:
+        return ""
+    return f"；T=1 正确而 T={temp} 不对，看起来像易错点：温度的用法不对——" + "；或".join(fits)
+
+
+@point("DeviceSampler 的单遍采样：greedy 等于 argmax（并列取第一个）；温度采样的概率符合 softmax(x/T)；每一行、每一次调用的噪声各自独立；manual_seed 可复现")
 def test_device_sampler_fast_path():
     m, e01 = impl(MODULE), impl("e01_sampling")
     r = Rand()
@@ -445,29 +576,36 @@ def test_device_sampler_fast_path():
     assert got.tolist() == want.tolist(), (
         f"greedy 行应等于 argmax {want.tolist()}，得到 {got.tolist()}"
         + ("；看起来像易错点：并列最大值取了后面的下标（argmax 取第一个）" if got[0] == b else "") + f"；{r}")
-    # one token at T*log(V-1) above V-1 zeros: under softmax(x / T) it wins with probability exactly 1/2
-    temp, rows, width = r.choice([0.7, 1.5, 2.0]), 120, 2000
-    star = r.int(0, width - 1)
-    batch = torch.zeros(rows, width)
-    batch[:, star] = temp * math.log(width - 1)
-    params = [e01.SamplingParams(temperature=temp)] * rows
+    # rows of zeros at T = 1: every row's token is uniform over the vocabulary, whatever the noise's sign or T
+    width, n_flat = 2000, 32
+    flat_params = [e01.SamplingParams(temperature=1.0)] * n_flat
     torch.manual_seed(r.int(0, 10**6))
     state = torch.get_rng_state()
-    first = sampler(batch.to(dev), params, [None] * rows).cpu()
+    flat = sampler(torch.zeros(n_flat, width).to(dev), flat_params, [None] * n_flat).cpu()
     torch.set_rng_state(state)
-    again = sampler(batch.to(dev), params, [None] * rows).cpu()
-    assert torch.equal(first, again), "同一个 torch.manual_seed 下两次采样应相同：噪声的种子要从 torch 的全局 RNG 取"
-    wins = int((first == star).sum())
-    p_flat = (width - 1) ** temp / ((width - 1) ** temp + width - 1)     # its chance when T is left out
-    hint = ""
-    if wins > rows - 8:
-        hint = ("；看起来像易错点：Gumbel 噪声的符号反了（应是 x/T − log(−log U)）或没有除以温度 T"
-                "（两者都让高分 token 几乎总是赢）")
-    elif abs(wins - rows * p_flat) < abs(wins - rows / 2):
-        hint = f"；看起来像易错点：没有除以温度 T（那样它赢的概率是 {p_flat:.2f}）"
-    assert abs(wins - rows / 2) <= 25, (
-        f"T={temp}：高出 T·log(V−1) 的 token 在 softmax(x/T) 下的概率是 1/2，{rows} 次采样应赢约 {rows // 2} 次"
-        f"（±25），实际 {wins} 次{hint}；{r}")
+    again = sampler(torch.zeros(n_flat, width).to(dev), flat_params, [None] * n_flat).cpu()
+    assert torch.equal(flat, again), "同一个 torch.manual_seed 下两次采样应相同：噪声的种子要从 torch 的全局 RNG 取"
+    assert flat.unique().numel() > 1, (
+        f"{n_flat} 行全 0 的 logits（T=1，每个 token 的概率都是 1/{width}）都抽到了同一个 token {int(flat[0])}。"
+        f"看起来像易错点：各行的噪声都一样（tl.rand 的 offset 没有包含行号，应是 row·vocab + offs）；{r}")
+    later = sampler(torch.zeros(n_flat, width).to(dev), flat_params, [None] * n_flat).cpu()   # the RNG moved on
+    assert not torch.equal(later, flat), (
+        f"连续两次调用（中间没有重设种子），{n_flat} 行全 0 的 logits 抽到的 token 完全相同：每一步的噪声都一样。"
+        f"看起来像易错点：每次调用都用了同一个种子（应在每次调用时用 torch.randint 从全局 RNG 取一个新种子）；{r}")
+    # one token at T*log(V-1) above V-1 zeros: under softmax(x / T) it wins with probability exactly 1/2.
+    # Rows [0, 100) use T = 1 (where leaving T out changes nothing), rows [100, 200) another T.
+    temp, rows = r.choice([0.6, 0.75, 1.3, 1.6]), 100
+    star = r.int(0, width - 1)
+    temps = [1.0] * rows + [temp] * rows
+    batch = torch.zeros(2 * rows, width)
+    batch[:, star] = torch.tensor(temps) * math.log(width - 1)
+    params = [e01.SamplingParams(temperature=t) for t in temps]
+    first = sampler(batch.to(dev), params, [None] * 2 * rows).cpu()
     losers = first[first != star]
     assert losers.unique().numel() >= len(losers) // 3, (
         f"没赢的 {len(losers)} 行只落在 {losers.unique().numel()} 个 token 上：每一行、每个位置的噪声应互相独立；{r}")
+    for lo, t in ((0, 1.0), (rows, temp)):           # T = 1 first: a failure at T != 1 is then about T
+        wins = int((first[lo:lo + rows] == star).sum())
+        assert abs(wins - rows / 2) <= 23, (
+            f"T={t}：高出 T·log(V−1) 的 token 在 softmax(x/T) 下的概率是 1/2，{rows} 次采样应赢约 {rows // 2} 次"
+            f"（±23），实际 {wins} 次{_wins_hint(wins, rows, t, width)}；{r}")

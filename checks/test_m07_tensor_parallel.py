@@ -5,16 +5,18 @@ same full weights, and m06's TP=1 model loaded from checkpoints that HF transfor
 save_pretrained (Qwen3ForCausalLM with nKV = 1 too, Qwen3MoeForCausalLM, Qwen3_5ForCausalLM and
 Qwen3_5MoeForCausalLM with Gated DeltaNet layers; fp32, eager, every parameter randomised, sizes drawn per
 run). TP=2 runs in 2 processes with the gloo backend (checks/tp_workers.py): all scenarios in one run,
-cached for every check. TP=1 checks run in this process, without a process group.
+cached for every check. One small TP=4 run (4 processes) covers what tp = 2 cannot show: a KV head shared by
+2 and by 4 ranks, and a vocabulary that 4 does not divide. TP=1 checks run in this process, without a process
+group. Every run draws V odd (and V % 4 != 0 at tp = 4), so the padded last shard is there on every seed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import tempfile
 from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -26,6 +28,7 @@ from checks.kit import Rand, assert_close, impl, point
 
 MODULE = "m07_tensor_parallel"
 TP = tp_workers.WORLD
+TP4 = 4
 
 transformers.utils.logging.set_verbosity_error()
 torch.set_num_threads(1)
@@ -37,13 +40,17 @@ M_QKV_HALVES = "QKV 的 weight_loader 把拼接后的 [q|k|v] 整体对半切了
 M_MERGED_ONE = "gate/up 当成一个张量切了：rank 0 拿到整个 gate、rank 1 拿到整个 up；应对 gate、up 各自切，本 rank 的局部行 = [gate 的一段 | up 的一段]"
 M_VOCAB_MASK = "词表 mask 没做好：分片外的 id 要先映射到合法行（越界会 IndexError），查完表再把这些行置零，最后 all-reduce"
 M_LM_HEAD_LOCAL = "ParallelLMHead 只返回了本 rank 的 logits 分片：忘了 all-gather（每个 rank 都应拿到完整的 [N, V]）"
+M_LM_HEAD_PAD = "ParallelLMHead 拼回之后没有去掉补零列：V 不能被 tp 整除时 all-gather 得到 tp·ceil(V/tp) 列，应再取 [:, :V]"
+M_VOCAB_FLOOR = "词表分片应为 ceil(V/tp) 行（最后一片补零）：按 V // tp 切时，最后 V % tp 个 id 不属于任何 rank"
 M_EXPERTS_DIM = "experts 沿错误的维度切分：gate_up_proj [E, 2I, H] 切 dim 1，down_proj [E, H, I] 切 dim 2（都是中间维 I，不是 H）"
 M_BACKEND_HEADS = "attention backend（self_attn.attn）的 num_heads / num_kv_heads 没有除以 tp：logits 照样对，但引擎按它分配的 KV cache 和 paged attention 的形状都错了"
 M_MODULE_HEADS = "attention 模块的 num_heads / num_kv_heads / q_size / kv_size 没有除以 tp：qkv_proj 的输出只剩本 rank 的 head"
 M_MOE_REDUCE = "MoE block 之后忘了 all-reduce：experts 沿 I 切开后，每个 rank 的 routed + shared 输出都只是部分和"
 M_TIED = "tied embeddings：换成 VocabParallelEmbedding / ParallelLMHead 之后，忘了让 lm_head.weight 重新指向 embed_tokens.weight"
 M_TOUCH_DIST = "TP=1 时调用了 torch.distributed：world_size=1 应原样返回，不初始化、不通信"
-M_KV_REPLICA = "nKV < tp 时复制 KV head：rank r 应取第 r·nKV/tp 个 KV head（tp/nKV 个 rank 共用一个），不是第 r 个"
+M_KV_REPLICA = ("nKV < tp 时复制 KV head：rank r 应取第 r·nKV/tp 个 KV head（相邻的 tp/nKV 个 rank 共用一个），"
+                "不是第 r 个，也不是第 r % nKV 个")
+M_KV_ZERO = "nKV < tp 时本 rank 的 num_kv_heads 成了 nKV // tp = 0：KV head 比 rank 少时每个 rank 存 1 个（复制）"
 M_KV_REFUSED = "nKV < tp 时应复制 KV head（每个 rank 一个，vLLM 的做法），而不是报“不能整除”"
 M_GDN_QKV = "in_proj_qkv 当成一个张量切了：它是 [q_all | k_all | v_all] 三段，每段各自按 head 切，本地行 = [q_r | k_r | v_r]"
 M_GDN_CONV = "conv1d 的通道没有按 q、k、v 各自切：通道顺序和 in_proj_qkv 的输出一样是 [q_all | k_all | v_all]，要与本地的 [q_r | k_r | v_r] 一一对应"
@@ -53,19 +60,39 @@ M_GDN_NORM = "门控 RMSNorm 的 weight 被切了：它是 [dv]，每个 value h
 M_GDN_OUT = "out_proj 不是 row parallel：它的输入是本 rank 的 value head 输出 [N, nv·dv/tp]，要按列切并 all-reduce"
 M_GDN_HEADS = "Gated DeltaNet 层的 num_k_heads / num_v_heads / key_dim / value_dim / conv_dim 没有改成本 rank 的：forward 的 split / view 和状态池都按它们走"
 
-CRASHES = {
-    "index out of range": M_VOCAB_MASK,
-    "exceeds dimension size": M_KV_REPLICA,
-    "num_key_value_heads = 1 is not divisible": M_KV_REFUSED,
-    "split_with_sizes": M_MODULE_HEADS,
-    "missing key for 'lm_head.weight'": M_TIED,
-}
-WHERE = {"ParallelExperts.weight_loader": M_EXPERTS_DIM}
+SHAPE_ERROR = re.compile(r"size|shape|exceeds|out of range|must match|expand")
+
+
+def _crash_hint(name: str, err: dict, data: dict, run: dict) -> str | None:
+    """The 易错点 a crash singles out, or None: a hint names a mistake only when the evidence points at it (the
+    fragment, the function it came from, what the rank recorded before it crashed and, for KV replication, the
+    same model family without replication loading fine in the same run)."""
+    msg, where = err["message"], err["where"]
+    if "index out of range" in msg and "VocabParallelEmbedding" in where:
+        return M_VOCAB_MASK
+    if "missing key for 'lm_head.weight'" in msg:
+        return M_TIED
+    family = name.removeprefix("model:")
+    config = run["expected"].get(family, {}).get("config")
+    if "split_with_sizes" in msg and "Attention.forward" in where and config is not None and data.get("heads"):
+        if data["heads"][0][0] == config.num_attention_heads:          # the module still has every head
+            return M_MODULE_HEADS
+    if "ParallelExperts.weight_loader" in where and SHAPE_ERROR.search(msg):
+        return M_EXPERTS_DIM
+    if name == "model:qwen3_kv1":                   # nKV = 1 < tp; model:qwen3 (nKV = 2 = tp) is the control
+        control = [res.get("model:qwen3") or {} for res in run["results"]]
+        if not all(c.get("error") is None and c.get("data", {}).get("stage") == "forward" for c in control):
+            return None
+        if err["type"] == "ValueError" and data.get("stage") == "tensor_parallel":
+            return M_KV_REFUSED
+        if data.get("stage") == "load_checkpoint" and "QKVParallelLinear" in where:
+            return M_KV_REPLICA
+    return None
 
 
 # ------------------------------------------------------------------------------------------ TP=2 run
 
-_RUN: dict = {}
+_RUNS: dict[int, dict] = {}                     # world size -> its one run of this grading session
 MODEL_FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_kv1")
 
 
@@ -83,7 +110,7 @@ def _configs(r: Rand) -> dict:
     qwen3_kv1 has a single KV head, replicated on both ranks)."""
     heads, kv = r.choice([(4, 2), (8, 2), (2, 2), (8, 4), (6, 2)])
     head_dim, hidden = r.choice([8, 16]), r.choice([32, 48])
-    base = dict(vocab_size=r.int(48, 97), hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv,
+    base = dict(vocab_size=2 * r.int(24, 48) + 1, hidden_size=hidden,      # V odd: the last shard is padded num_attention_heads=heads, num_key_value_heads=kv,
                 head_dim=head_dim, max_position_embeddings=256, rms_norm_eps=1e-6, attn_implementation="eager")
     moe = dict(num_experts=r.int(4, 6), num_experts_per_tok=2, moe_intermediate_size=r.choice([16, 24]),
                experts_implementation="eager")
@@ -108,7 +135,7 @@ def _configs(r: Rand) -> dict:
 
 def _model_job(family: str, config, r: Rand, folder: Path) -> tuple[dict, dict]:
     """Save a randomised HF model, compute the TP=1 reference with m06; (job for the ranks, expectations)."""
-    hf = hf_models.hf_model(family.removesuffix("_kv1"), config, r)
+    hf = hf_models.hf_model(family.removesuffix("_kv1").removesuffix("_tp4"), config, r)
     hf_models.save_hf(hf, folder)
     state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     lengths = [r.int(1, 7) for _ in range(r.int(2, 3))]
@@ -155,11 +182,7 @@ def _job(r: Rand, folder: Path) -> tuple[dict, dict]:
                         w_q=r.randn(heads * factor * head_dim, hidden), w_k=r.randn(kv * head_dim, hidden),
                         w_v=r.randn(kv * head_dim, hidden))
     job["qkv_merged"] = qkv
-    vocab = r.int(9, 40)                        # odd sizes too: the last shard is zero-padded
-    shard = -(-vocab // TP)
-    ids = torch.cat([torch.tensor([0, vocab - 1, shard - 1, min(shard, vocab - 1)]), r.randint(0, vocab, (r.int(4, 9),))])
-    job["vocab"] = dict(weight=r.randn(vocab, hidden), bias=r.randn(vocab), hidden=r.randn(r.int(3, 7), hidden),
-                        ids=ids[torch.randperm(len(ids), generator=r.gen)])
+    job["vocab"] = _vocab_job(r, 2 * r.int(4, 19) + 1, hidden, TP)     # V odd: the last shard is zero-padded
     configs = _configs(r)
     for family in MODEL_FAMILIES:
         job[f"model:{family}"], expected[family] = _model_job(family, configs[family], r, folder / family)
@@ -172,22 +195,58 @@ def _job(r: Rand, folder: Path) -> tuple[dict, dict]:
     return job, expected
 
 
-def _tp_run() -> dict:
-    """The one 2-process run of this grading session (started by the first check that needs it)."""
-    if not _RUN:
-        _RUN["rand"] = r = Rand()
-        _RUN["tmp"] = tmp = tempfile.TemporaryDirectory(prefix="course-m07-")
-        _RUN["results"] = None                          # a run cut short by a timeout is not repeated
-        _RUN["job"], _RUN["expected"] = _job(r, Path(tmp.name))
-        _RUN["results"] = tp_workers.launch(_RUN["job"])
-    if _RUN.get("results") is None:
-        raise AssertionError("2 进程的 TP 运行没有完成（上一个检查里超时或出错）")
-    return _RUN
+def _vocab_job(r: Rand, vocab: int, hidden: int, world: int) -> dict:
+    """A table of V rows and ids that include both edges of every shard of ceil(V / world) rows."""
+    shard = -(-vocab // world)
+    edges = [0, vocab - 1] + [min(k * shard + d, vocab - 1) for k in range(1, world) for d in (-1, 0)]
+    ids = torch.cat([torch.tensor(edges), r.randint(0, vocab, (r.int(4, 9),))])
+    return dict(weight=r.randn(vocab, hidden), bias=r.randn(vocab), hidden=r.randn(r.int(3, 7), hidden),
+                ids=ids[torch.randperm(len(ids), generator=r.gen)])
 
 
-def _scenario(name: str, partial: bool = False) -> list[dict]:
-    """Both ranks' data for a scenario; its failure re-raised here (NotImplementedError stays 未实现)."""
-    run = _tp_run()
+def _job4(r: Rand, folder: Path) -> tuple[dict, dict]:
+    """The small tp = 4 run: QKVParallelLinear with nKV = 4 (the control: one KV head per rank), 2 and 1 (each KV
+    head on 2 / 4 ranks) and the card's nH = 4, nKV = 2 rows; a vocabulary that 4 does not divide; a Qwen3 model
+    (tied) with nKV = 2, whose logits must equal TP=1."""
+    job, expected = {}, {}
+    hidden = r.choice([8, 12])
+    cases = {}
+    for kv in (4, 2, 1):
+        heads, head_dim = 4 * r.int(1, 2), r.choice([2, 4])
+        cases[f"kv{kv}"] = dict(hidden=hidden, head_dim=head_dim, heads=heads, kv_heads=kv, x=r.randn(r.int(3, 6), hidden),
+                                w_q=r.randn(heads * head_dim, hidden), w_k=r.randn(kv * head_dim, hidden),
+                                w_v=r.randn(kv * head_dim, hidden))
+    cases["card"] = dict(hidden=1, head_dim=1, heads=4, kv_heads=2, x=torch.ones(1, 1), w_q=torch.arange(0.0, 4.0)[:, None],
+                         w_k=torch.arange(4.0, 6.0)[:, None], w_v=torch.arange(6.0, 8.0)[:, None])
+    job["qkv_replicated"] = dict(cases=cases)
+    job["vocab"] = _vocab_job(r, 4 * r.int(3, 10) + r.choice([1, 2, 3]), hidden, TP4)
+    config = Qwen3Config(vocab_size=4 * r.int(12, 24) + r.choice([1, 2, 3]), hidden_size=r.choice([32, 48]),
+                         num_attention_heads=r.choice([4, 8]), num_key_value_heads=2, head_dim=r.choice([8, 16]),
+                         intermediate_size=r.choice([48, 64]), num_hidden_layers=2, rope_theta=1e6,
+                         tie_word_embeddings=True, max_position_embeddings=256, rms_norm_eps=1e-6,
+                         attn_implementation="eager")
+    job["model:qwen3_tp4"], expected["qwen3_tp4"] = _model_job("qwen3_tp4", config, r, folder / "qwen3_tp4")
+    job["scenarios"] = ["qkv_replicated", "vocab", "model:qwen3_tp4"]
+    return job, expected
+
+
+def _tp_run(world: int = TP) -> dict:
+    """The one run at `world` ranks of this grading session (started by the first check that needs it)."""
+    run = _RUNS.setdefault(world, {})
+    if not run:
+        run["world"], run["rand"] = world, Rand()
+        run["tmp"] = tmp = tempfile.TemporaryDirectory(prefix="course-m07-")
+        run["results"] = None                           # a run cut short by a timeout is not repeated
+        run["job"], run["expected"] = (_job if world == TP else _job4)(run["rand"], Path(tmp.name))
+        run["results"] = tp_workers.launch(run["job"], world)
+    if run.get("results") is None:
+        raise AssertionError(f"{world} 进程的 TP 运行没有完成（上一个检查里超时或出错）")
+    return run
+
+
+def _scenario(name: str, partial: bool = False, world: int = TP) -> list[dict]:
+    """Every rank's data for a scenario; its failure re-raised here (NotImplementedError stays 未实现)."""
+    run = _tp_run(world)
     per_rank = [res.get(name) for res in run["results"]]
     errors = [(rank, res["error"]) for rank, res in enumerate(per_rank) if res is not None and res["error"]]
     for rank, err in errors:
@@ -196,22 +255,21 @@ def _scenario(name: str, partial: bool = False) -> list[dict]:
     if errors:
         peer_lost = ("Timed out", "Connection closed", "Connection reset", "gloo/transport")   # a symptom, not the cause
         rank, err = next(((k, e) for k, e in errors if not any(s in e["message"] for s in peer_lost)), errors[0])
-        msg = f"TP=2 的 rank {rank} 运行出错：{err['type']}: {err['message']}"
+        msg = f"TP={world} 的 rank {rank} 运行出错：{err['type']}: {err['message']}"
         msg += f"\n  位置：{err['where']}" if err["where"] else ""
-        mistake = next((m for frag, m in CRASHES.items() if frag in err["message"]), None) or \
-            next((m for frag, m in WHERE.items() if frag in err["where"]), None)
+        mistake = _crash_hint(name, err, per_rank[rank]["data"], run)
         if mistake:
             msg += f"\n  看起来像易错点：{mistake}"
         if not partial:
             raise AssertionError(msg + f"；{run['rand']}")
     if any(res is None for res in per_rank):
-        raise AssertionError(f"TP=2 的场景 {name} 没有跑完：某个 rank 卡在 all_reduce / all_gather 里"
-                             "（两个 rank 调用集合通信的次数或顺序不一致？）")
+        raise AssertionError(f"TP={world} 的场景 {name} 没有跑完：某个 rank 卡在 all_reduce / all_gather 里"
+                             "（各 rank 调用集合通信的次数或顺序不一致？）")
     return [res["data"] for res in per_rank]
 
 
-def _per_rank(tensor: torch.Tensor, dim: int = 0) -> list[torch.Tensor]:
-    return list(tensor.chunk(TP, dim=dim))
+def _per_rank(tensor: torch.Tensor, dim: int = 0, world: int = TP) -> list[torch.Tensor]:
+    return list(tensor.chunk(world, dim=dim))
 
 
 # ------------------------------------------------------------------------------------------ TP=1 (in process)
@@ -303,7 +361,7 @@ def test_world_size_one_is_untouched():
 def test_column_and_row():
     impl(MODULE)
     data = _scenario("column_row")
-    r, j = _RUN["rand"], _RUN["job"]["column_row"]
+    r, j = _RUNS[TP]["rand"], _RUNS[TP]["job"]["column_row"]
     w_cols, b_cols = _per_rank(j["w_col"]), _per_rank(j["b_col"])
     for rank, d in enumerate(data):
         assert d["col_shape"] == tuple(w_cols[rank].shape), \
@@ -328,7 +386,7 @@ def test_column_and_row():
 def test_qkv_and_merged():
     impl(MODULE)
     data = _scenario("qkv_merged")
-    r, j = _RUN["rand"], _RUN["job"]["qkv_merged"]
+    r, j = _RUNS[TP]["rand"], _RUNS[TP]["job"]["qkv_merged"]
     x = j["x"]
     for key in ("gqa", "gated"):
         c = j[key]
@@ -356,31 +414,63 @@ def test_qkv_and_merged():
 @point("TP=2：VocabParallelEmbedding 屏蔽分片外的 id，ParallelLMHead 拼回完整 logits")
 def test_vocab_embedding_and_lm_head():
     impl(MODULE)
-    data = _scenario("vocab")
-    r, j = _RUN["rand"], _RUN["job"]["vocab"]
+    _check_vocab(TP)
+
+
+def _lm_head_hint(width: int, vocab: int, world: int) -> str:
+    """The 易错点 a wrong logits width singles out, as a message tail ("" when it names none)."""
+    shard = -(-vocab // world)
+    wrong = {vocab // world * world: M_VOCAB_FLOOR, shard: M_LM_HEAD_LOCAL, shard * world: M_LM_HEAD_PAD}
+    mistake = wrong.get(width) if width != vocab else None
+    return f"\n  看起来像易错点：{mistake}" if mistake else ""
+
+
+def _check_vocab(world: int) -> None:
+    """The vocab scenario of the run at `world` ranks: V does not divide by world, ids on every shard's edges."""
+    data = _scenario("vocab", world=world)
+    run = _RUNS[world]
+    r, j = run["rand"], run["job"]["vocab"]
     table, ids = j["weight"], j["ids"]
-    vocab, shard = table.shape[0], -(-table.shape[0] // TP)
-    padded = torch.cat([table, table.new_zeros(shard * TP - vocab, table.shape[1])])
+    vocab, shard = table.shape[0], -(-table.shape[0] // world)
+    padded = torch.cat([table, table.new_zeros(shard * world - vocab, table.shape[1])])
     unmasked = sum(F.embedding(torch.where((ids >= k * shard) & (ids < (k + 1) * shard), ids - k * shard, 0),
-                               padded[k * shard:(k + 1) * shard]) for k in range(TP))
+                               padded[k * shard:(k + 1) * shard]) for k in range(world))
+    floor = F.embedding(ids, table).masked_fill((ids >= vocab // world * world)[:, None], 0)
     logits = F.linear(j["hidden"], table, j["bias"])
     for rank, d in enumerate(data):
-        assert d["emb_count"] == d["emb_numel"] == shard * table.shape[1], \
-            f"rank {rank}：VocabParallelEmbedding.weight 应为 [ceil(V/tp) = {shard}, H]，weight_loader 返回写入的元素个数（含补零行）"
+        assert d["emb_count"] == d["emb_numel"] == shard * table.shape[1], (
+            f"TP={world} rank {rank}：VocabParallelEmbedding.weight 应为 [ceil(V/tp) = {shard}, H]（V={vocab}），"
+            f"weight_loader 返回写入的元素个数（含补零行）；得到 {d['emb_numel']} 个元素、返回 {d['emb_count']}"
+            + (f"\n  看起来像易错点：{M_VOCAB_FLOOR}" if d["emb_numel"] == vocab // world * table.shape[1] else ""))
         assert_close(d["emb_y"], F.embedding(ids, table), rand=r,
-                     what=f"rank {rank} 的 VocabParallelEmbedding 输出（V={vocab}，ids 落在两个分片）",
-                     looks_like=[(unmasked, M_VOCAB_MASK)])
+                     what=f"TP={world} rank {rank} 的 VocabParallelEmbedding 输出（V={vocab}，ids 落在每个分片的两端）",
+                     looks_like=[(unmasked, M_VOCAB_MASK), (floor, M_VOCAB_FLOOR)])
         got = d["head_y"]
-        if got.shape[-1] == shard and shard != vocab:
-            raise AssertionError(f"rank {rank} 的 ParallelLMHead 输出形状是 {list(got.shape)}，应为 {list(logits.shape)}"
-                                 f"\n  看起来像易错点：{M_LM_HEAD_LOCAL}；{r}")
-        assert_close(got, logits, what=f"rank {rank} 的 ParallelLMHead 输出（完整 [N, V]，V={vocab}）", rand=r)
+        if got.shape != logits.shape:
+            raise AssertionError(f"TP={world} rank {rank} 的 ParallelLMHead 输出形状是 {list(got.shape)}，应为 "
+                                 f"{list(logits.shape)}（V={vocab}，每片 ceil(V/tp) = {shard} 列）"
+                                 f"{_lm_head_hint(got.shape[-1], vocab, world)}；{r}")
+        assert_close(got, logits, what=f"TP={world} rank {rank} 的 ParallelLMHead 输出（完整 [N, V]，V={vocab}）", rand=r)
         assert d["head_count"] == d["head_numel"], "ParallelLMHead 的 weight_loader 应返回写入的元素个数"
 
 
-def _heads(config) -> tuple[int, int, int, int]:
-    nh, nkv, d = config.num_attention_heads // TP, max(1, config.num_key_value_heads // TP), config.head_dim
+def _heads(config, world: int = TP) -> tuple[int, int, int, int]:
+    nh, nkv, d = config.num_attention_heads // world, max(1, config.num_key_value_heads // world), config.head_dim
     return nh, nkv, nh * d, nkv * d
+
+
+def _check_heads(where: str, d: dict, config, world: int) -> None:
+    """Every attention layer's (num_heads, num_kv_heads, q_size, kv_size) and its backend's head counts."""
+    want, full = _heads(config, world), _heads(config, 1)
+    for i, got in enumerate(d["heads"]):
+        got = tuple(got)
+        hint = M_MODULE_HEADS if got == full else M_KV_ZERO if got[1] == 0 < got[0] else None
+        assert got == want, (f"{where} 第 {i} 层 self_attn 的 (num_heads, num_kv_heads, q_size, kv_size) 应为 {want}，"
+                             f"得到 {got}" + (f"\n  看起来像易错点：{hint}" if hint else ""))
+    for i, got in enumerate(d["backend_heads"]):
+        got = tuple(got)
+        hint = f"\n  看起来像易错点：{M_BACKEND_HEADS}" if got == full[:2] else ""
+        assert got == want[:2], f"{where} 第 {i} 层 self_attn.attn 的 (num_heads, num_kv_heads) 应为 {want[:2]}，得到 {got}{hint}"
 
 
 @point("TP=2：tensor_parallel 之后 head 数（含 attention backend）除以 tp、experts 沿中间维切分、router 保持完整")
@@ -389,27 +479,25 @@ def test_structure_after_rewrite():
     r = _tp_run()["rand"]
     for family in ("qwen3_moe", "qwen3_5_moe_text"):
         data = _scenario(f"model:{family}", partial=True)
-        exp = _RUN["expected"][family]
+        exp = _RUNS[TP]["expected"][family]
         config, state = exp["config"], exp["state"]
         for rank, d in enumerate(data):
             if "heads" not in d:
                 _scenario(f"model:{family}")                  # raises the rank's error
             assert d["returned_same"], "tensor_parallel 应原地改写并返回同一个模型对象"
-            want = _heads(config)
-            for i, got in enumerate(d["heads"]):
-                assert tuple(got) == want, (f"{family} 第 {i} 层 self_attn 的 (num_heads, num_kv_heads, q_size, kv_size) "
-                                            f"应为 {want}，得到 {tuple(got)}\n  看起来像易错点：{M_MODULE_HEADS}")
-            for i, got in enumerate(d["backend_heads"]):
-                assert tuple(got) == want[:2], (f"{family} 第 {i} 层 self_attn.attn 的 (num_heads, num_kv_heads) 应为 "
-                                                f"{want[:2]}，得到 {tuple(got)}\n  看起来像易错点：{M_BACKEND_HEADS}")
+            _check_heads(f"{family} rank {rank}", d, config, TP)
             e, inter, hidden = config.num_experts, config.moe_intermediate_size, config.hidden_size
             want = ((e, 2 * inter // TP, hidden), (e, hidden, inter // TP), (e, hidden))
-            assert tuple(map(tuple, d["expert_shapes"])) == want, (
-                f"{family}：(experts.gate_up_proj, experts.down_proj, gate.weight) 的形状应为 {want}，得到 "
-                f"{d['expert_shapes']}\n  看起来像易错点：{M_EXPERTS_DIM}（router gate.weight [E, H] 每个 rank 都完整保留）")
+            got = tuple(map(tuple, d["expert_shapes"]))
+            if got != want:
+                hint = ("router gate.weight [E, H] 每个 rank 都完整保留" if got[2] != want[2] else
+                        "experts 没有切分：gate_up_proj / down_proj 还是完整的（没有换成 ParallelExperts？）"
+                        if got[:2] == ((e, 2 * inter, hidden), (e, hidden, inter)) else M_EXPERTS_DIM)
+                raise AssertionError(f"{family}：(experts.gate_up_proj, experts.down_proj, gate.weight) 的形状应为 "
+                                     f"{want}，得到 {got}\n  看起来像易错点：{hint}")
             if "expert_local" not in d:
                 _scenario(f"model:{family}")
-            layer = _RUN["job"][f"model:{family}"]["moe_layer"]
+            layer = _RUNS[TP]["job"][f"model:{family}"]["moe_layer"]
             gate_up = state[f"model.layers.{layer}.mlp.experts.gate_up_proj"][0]
             down = state[f"model.layers.{layer}.mlp.experts.down_proj"][0]
             gate, up = _per_rank(gate_up[:inter]), _per_rank(gate_up[inter:])
@@ -420,23 +508,28 @@ def test_structure_after_rewrite():
                          what=f"{family} rank {rank} 加载后的 experts.down_proj[0]（[H, I/tp]）")
 
 
-def _check_model(family: str) -> None:
+def _check_model(family: str, world: int = TP) -> None:
     impl(MODULE)
-    data = _scenario(f"model:{family}")
-    exp, r = _RUN["expected"][family], _RUN["rand"]
-    lengths = _RUN["job"][f"model:{family}"]["lengths"]
+    data = _scenario(f"model:{family}", world=world)
+    run = _RUNS[world]
+    exp, r = run["expected"][family], run["rand"]
+    lengths = run["job"][f"model:{family}"]["lengths"]
+    vocab = exp["config"].vocab_size
     for rank, d in enumerate(data):
-        assert d["numel"] < 0.7 * exp["numel"], (
+        assert d["numel"] < (1 / world + 0.2) * exp["numel"], (
             f"{family} rank {rank}：tensor_parallel 之后本 rank 有 {d['numel']} 个参数，TP=1 是 {exp['numel']}："
-            "TP=2 时每个 rank 应只持有约一半（只有 norm 和 router 是完整复制的），看起来没有切分")
+            f"TP={world} 时每个 rank 应只持有约 1/{world}（只有 norm、router 和复制的 KV head 是完整的），看起来没有切分")
         if "probe" in exp:
             probe = d["moe_probe"]
             partials = sum(x["moe_probe"] for x in data)
             assert_close(probe, exp["probe"], what=f"{family} rank {rank} 的 MoE block 输出", rand=r,
                          looks_like=[(exp["probe"] - partials + probe, M_MOE_REDUCE)])
+        width = d["logits"].shape[-1]
+        assert width == vocab, (f"{family} rank {rank} 的 TP={world} logits 有 {width} 列，应为 V = {vocab}"
+                                f"{_lm_head_hint(width, vocab, world)}；{r}")
         tol = 1e-4 if family.startswith("qwen3_5") else 1e-5   # the chunked delta rule adds fp32 rounding noise
         assert_close(d["logits"], exp["logits"], rand=r, atol=tol, rtol=tol,
-                     what=f"{family} rank {rank} 的 TP=2 logits（与 TP=1 比，{len(lengths)} 条 packed 序列 {lengths}）")
+                     what=f"{family} rank {rank} 的 TP={world} logits（与 TP=1 比，{len(lengths)} 条 packed 序列 {lengths}）")
 
 
 @point("TP=2：Qwen3（tied embeddings）整模型 logits 等于 TP=1")
@@ -483,7 +576,7 @@ def test_gdn_sharding():
     r = _tp_run()["rand"]
     for family in ("qwen3_5_text", "qwen3_5_moe_text"):
         data = _scenario(f"model:{family}", partial=True)
-        exp, j = _RUN["expected"][family], _RUN["job"][f"model:{family}"]
+        exp, j = _RUNS[TP]["expected"][family], _RUNS[TP]["job"][f"model:{family}"]
         nk, nv, key_dim, value_dim, conv_dim = exp["gdn_dims"]
         full = exp["gdn_full"]
         dk, dv, width = key_dim // nk, value_dim // nv, full["conv1d.weight"].shape[-1]
@@ -527,15 +620,64 @@ def test_gdn_sharding():
 def test_replicated_kv_heads():
     impl(MODULE)
     _check_model("qwen3_kv1")
-    exp = _RUN["expected"]["qwen3_kv1"]
+    exp = _RUNS[TP]["expected"]["qwen3_kv1"]
     config = exp["config"]
     q_rows = config.num_attention_heads * config.head_dim
     q, kv = exp["qkv"][:q_rows], exp["qkv"][q_rows:]
     for rank, d in enumerate(_scenario("model:qwen3_kv1")):
-        assert tuple(d["heads"][0][:2]) == (config.num_attention_heads // TP, 1), \
-            f"rank {rank}：nKV=1 时本 rank 的 (num_heads, num_kv_heads) 应为 {(config.num_attention_heads // TP, 1)}，得到 {d['heads'][0][:2]}"
-        assert_close(d["qkv_local"], torch.cat([q.chunk(TP)[rank], kv]), atol=0, rtol=0, rand=_RUN["rand"],
+        _check_heads(f"nKV=1 的 Qwen3 rank {rank}", d, config, TP)
+        assert_close(d["qkv_local"], torch.cat([q.chunk(TP)[rank], kv]), atol=0, rtol=0, rand=_RUNS[TP]["rand"],
                      what=f"rank {rank} 第 0 层 qkv_proj 的本地行（[我的 q head | 那一个 k head | 那一个 v head]）")
+
+
+def _qkv_case_error(key: str, c: dict, err: dict, control_ok: bool) -> str:
+    """The failure message of a QKVParallelLinear case that crashed on some rank, with the mistake the evidence
+    singles out: replication (nKV < tp) failing while the control (nKV = tp) went through the same stage."""
+    hint = None
+    if c["kv_heads"] < TP4 and control_ok:
+        if err["stage"] == "init" and err["type"] == "ValueError":
+            hint = M_KV_REFUSED
+        elif err["stage"] == "load" and "QKVParallelLinear" in err["where"]:
+            hint = M_KV_REPLICA
+    return (f"TP=4、nH={c['heads']}、nKV={c['kv_heads']} 的 QKVParallelLinear 出错（{err['stage']}）："
+            f"{err['type']}: {err['message']}" + (f"\n  位置：{err['where']}" if err["where"] else "")
+            + (f"\n  看起来像易错点：{hint}" if hint else ""))
+
+
+@point("TP=4：nKV=4、2、1 时 KV head 各 rank 一个、每个复制 2 份、复制 4 份；V 不能被 4 整除的词表与 LM head；nKV=2 的 Qwen3 整模型 logits 等于 TP=1")
+def test_tp4_replication_and_vocab():
+    impl(MODULE)
+    data = _scenario("qkv_replicated", world=TP4)
+    run = _RUNS[TP4]
+    r, cases = run["rand"], run["job"]["qkv_replicated"]["cases"]
+    control_ok = not any(d.get("kv4_error") for d in data)
+    for key in ("kv4", "kv2", "kv1", "card"):                    # the control first
+        c = cases[key]
+        kv = c["kv_heads"]
+        blocks = min(kv, TP4)                                    # KV blocks over the ranks; rank r has r·blocks//tp
+        for rank, d in enumerate(data):
+            if d.get(f"{key}_error"):
+                raise AssertionError(_qkv_case_error(key, c, d[f"{key}_error"], control_ok) + f"；{r}")
+            want = (c["heads"] // TP4, max(1, kv // TP4))
+            got = tuple(d[f"{key}_heads"])
+            assert got == want, (f"TP=4 rank {rank}：nH={c['heads']}、nKV={kv} 的 QKVParallelLinear (num_heads, num_kv_heads) "
+                                 f"应为 {want}，得到 {got}" + (f"\n  看起来像易错点：{M_KV_ZERO}" if got[1] == 0 else ""))
+            k_block = rank * blocks // TP4
+            local = torch.cat([c["w_q"].chunk(TP4)[rank], c["w_k"].chunk(blocks)[k_block], c["w_v"].chunk(blocks)[k_block]])
+            modulo = torch.cat([c["w_q"].chunk(TP4)[rank], c["w_k"].chunk(blocks)[rank % kv], c["w_v"].chunk(blocks)[rank % kv]])
+            what = (f"卡片例子（nH=4、nKV=2、D=1，行号 q 0..3 | k 4 5 | v 6 7）TP=4 rank {rank} 的 qkv_proj 局部行" if key == "card"
+                    else f"TP=4 rank {rank} 的 QKVParallelLinear（nH={c['heads']}、nKV={kv}）本地行 [q 的第 {rank} 段 | 第 {k_block} 个 KV 块的 k | v]")
+            assert_close(d[f"{key}_rows"], local, atol=0, rtol=0, rand=r, what=what,
+                         looks_like=[(modulo, M_KV_REPLICA)] if kv < TP4 else [])
+            assert d[f"{key}_count"] == local.numel(), \
+                f"TP=4 rank {rank}：nKV={kv} 的 q/k/v 三次 weight_loader 应共写入 {local.numel()} 个值，得到 {d[f'{key}_count']}"
+            assert_close(d[f"{key}_y"], F.linear(c["x"], local), rand=r, what=f"{what}：输出")
+    _check_vocab(TP4)
+    _check_model("qwen3_tp4", TP4)
+    exp = run["expected"]["qwen3_tp4"]
+    for rank, d in enumerate(_scenario("model:qwen3_tp4", world=TP4)):
+        _check_heads(f"TP=4 nKV=2 的 Qwen3 rank {rank}", d, exp["config"], TP4)
+        assert d["tied"], f"TP=4 rank {rank}：{M_TIED}（tie_word_embeddings=True 时两者应是同一个 Parameter）"
 
 
 @point("卡片例子：4×2 权重的 Column→Row 部分和与 all-reduce、QKV 的行号、V=5 的词表分片、GDN 与复制 KV head 的行号")

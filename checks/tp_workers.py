@@ -1,7 +1,8 @@
-"""Two-process runs for the m07 checks: every scenario on 2 ranks (gloo on CPU), results back to the parent.
+"""Multi-process runs for the m07 checks: every scenario on 2 (or 4) ranks (gloo on CPU), results back to the parent.
 
 The parent (checks/test_m07_tensor_parallel.py) builds one `job` dict (inputs, full weights, tiny
-configs, checkpoint folders), calls `launch(job)` once and grades the returned per-rank results.
+configs, checkpoint folders), calls `launch(job)` once per world size (the full run at tp = 2, one small
+run at tp = 4) and grades the returned per-rank results.
 
 - Children start with the fork method on Linux (they inherit the already imported torch: about 0.3 s;
   a spawned child re-imports torch, 10-50 s on a loaded 2-core machine), elsewhere with spawn. This
@@ -38,12 +39,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # ------------------------------------------------------------------------------------------ parent side
 
-def launch(job: dict, deadline_s: float = 60.0) -> list[dict]:
-    """Run every scenario of `job` on WORLD ranks; one {scenario: {"data", "error"}} dict per rank."""
+def launch(job: dict, world: int = WORLD, deadline_s: float = 60.0) -> list[dict]:
+    """Run every scenario of `job` on `world` ranks; one {scenario: {"data", "error"}} dict per rank."""
     method = "fork" if sys.platform.startswith("linux") else "spawn"
     ctx = multiprocessing.get_context(method)
     with tempfile.TemporaryDirectory(prefix="course-tp-") as tmp:
-        procs = [ctx.Process(target=_worker, args=(rank, tmp, job), daemon=True) for rank in range(WORLD)]
+        procs = [ctx.Process(target=_worker, args=(rank, world, tmp, job), daemon=True) for rank in range(world)]
         for p in procs:
             p.start()
         try:
@@ -55,7 +56,7 @@ def launch(job: dict, deadline_s: float = 60.0) -> list[dict]:
                 if p.is_alive():
                     p.kill()
                     p.join(5)
-        return [_read(Path(tmp) / f"rank{rank}.pt") for rank in range(WORLD)]
+        return [_read(Path(tmp) / f"rank{rank}.pt") for rank in range(world)]
 
 
 def _read(path: Path) -> dict:
@@ -64,19 +65,19 @@ def _read(path: Path) -> dict:
 
 # ------------------------------------------------------------------------------------------ child side
 
-def _worker(rank: int, tmp: str, job: dict) -> None:
-    torch.set_num_threads(1)                  # 2 ranks on 2 cores; also keeps a forked child off OpenMP
+def _worker(rank: int, world: int, tmp: str, job: dict) -> None:
+    torch.set_num_threads(1)                  # 2 or 4 ranks on 2 cores; also keeps a forked child off OpenMP
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     from course.grader import select
     select.install()
     results: dict = {}
     for name in job["scenarios"]:
-        store = dist.FileStore(f"{tmp}/store-{name.replace(':', '-')}", WORLD)
+        store = dist.FileStore(f"{tmp}/store-{name.replace(':', '-')}", world)
         data: dict = {}
         error = None
         try:
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD,
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                     timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
             store.set(f"ready{rank}", "1")
             with torch.no_grad():
@@ -85,9 +86,9 @@ def _worker(rank: int, tmp: str, job: dict) -> None:
             error = _describe(exc)
         finally:
             if error is not None and dist.is_initialized():
-                _wait(store, "ready")                 # never tear down while the peer is still connecting
+                _wait(store, "ready", world)          # never tear down while a peer is still connecting
                 dist.destroy_process_group()          # a peer blocked in a collective fails now, not at the timeout
-            _leave_together(store, rank)
+            _leave_together(store, rank, world)
             if dist.is_initialized():
                 dist.destroy_process_group()
         results[name] = {"data": data, "error": error}
@@ -95,19 +96,19 @@ def _worker(rank: int, tmp: str, job: dict) -> None:
         os.replace(f"{tmp}/rank{rank}.tmp", f"{tmp}/rank{rank}.pt")
 
 
-def _wait(store, key: str) -> None:
+def _wait(store, key: str, world: int) -> None:
     try:
-        store.wait([f"{key}{r}" for r in range(WORLD)], timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        store.wait([f"{key}{r}" for r in range(world)], timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     except Exception:  # noqa: BLE001 - the peer never got there; go on and let the parent report it
         pass
 
 
-def _leave_together(store, rank: int) -> None:
+def _leave_together(store, rank: int, world: int) -> None:
     """A barrier through the file store, not through gloo: it works after any error, and no rank tears its
     connections down (or starts the next scenario) while the other is still connecting or communicating."""
     store.set(f"done{rank}", "1")
     try:
-        store.wait([f"done{r}" for r in range(WORLD)], timedelta(seconds=2 * COLLECTIVE_TIMEOUT_S))
+        store.wait([f"done{r}" for r in range(world)], timedelta(seconds=2 * COLLECTIVE_TIMEOUT_S))
     except Exception:  # noqa: BLE001 - the other rank is gone; the parent reports the missing scenarios
         pass
 
@@ -144,7 +145,7 @@ def column_row(m, rank: int, job: dict, name: str, out: dict) -> None:
     row = m.RowParallelLinear(j["w_row"].shape[1], j["w_row"].shape[0], bias=True)
     out["row_shape"] = tuple(row.weight.shape)
     out["row_count"] = _load(row.weight, j["w_row"]) + _load(row.bias, j["b_row"])
-    out["row_y"] = row(j["x_row"].chunk(WORLD, dim=-1)[rank])      # the row layer's input is already split
+    out["row_y"] = row(j["x_row"].chunk(dist.get_world_size(), dim=-1)[rank])   # the row layer's input is already split
 
 
 def qkv_merged(m, rank: int, job: dict, name: str, out: dict) -> None:
@@ -159,6 +160,26 @@ def qkv_merged(m, rank: int, job: dict, name: str, out: dict) -> None:
     merged = m.MergedColumnParallelLinear(j["x"].shape[1], [j["w_gate"].shape[0]] * 2)
     out["merged_count"] = _load(merged.weight, j["w_gate"], (0,)) + _load(merged.weight, j["w_up"], (1,))
     out["merged_y"] = merged(j["x"])
+
+
+def qkv_replicated(m, rank: int, job: dict, name: str, out: dict) -> None:
+    """QKVParallelLinear with nKV >= tp (the control) and nKV < tp (each KV head on tp / nKV ranks), each case on
+    its own: a crash in one leaves the others to grade (none of them communicates). Records the stage it got to."""
+    j = job[name]
+    for key, c in j["cases"].items():
+        stage = "init"
+        try:
+            qkv = m.QKVParallelLinear(c["hidden"], c["head_dim"], c["heads"], c["kv_heads"])
+            out[f"{key}_heads"] = (qkv.num_heads, qkv.num_kv_heads)
+            stage = "load"
+            out[f"{key}_count"] = sum(_load(qkv.weight, c[f"w_{p}"], (p,)) for p in "qkv")
+            out[f"{key}_rows"] = qkv.weight.detach().clone()
+            stage = "forward"
+            out[f"{key}_y"] = qkv(c["x"])
+        except NotImplementedError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - graded by the parent, case by case
+            out[f"{key}_error"] = dict(_describe(exc), stage=stage)
 
 
 def vocab(m, rank: int, job: dict, name: str, out: dict) -> None:
@@ -179,6 +200,7 @@ def model(m, rank: int, job: dict, name: str, out: dict) -> None:
     j = job[name]
     m06, ctx_cls = select_load("m06_models"), select_load("m04_attention").AttentionContext
     net = m06.build_model(j["config"])
+    out["stage"] = "tensor_parallel"              # how far the rank got: evidence for the parent's hints
     out["returned_same"] = m.tensor_parallel(net) is net
     out["numel"] = sum(p.numel() for p in net.parameters())
     attns = [layer.self_attn for layer in net.model.layers if not layer.is_linear]
@@ -195,7 +217,9 @@ def model(m, rank: int, job: dict, name: str, out: dict) -> None:
         out["gdn_shapes"] = {n: tuple(p.shape) for n, p in gdn.named_parameters()}
         pool = select_load("e04_model_runner").GDNStatePool(net, len(j["gdn_lengths"]))
         out["pool_shapes"] = (tuple(pool.conv[j["gdn_layer"]].shape), tuple(pool.ssm[j["gdn_layer"]].shape))
+    out["stage"] = "load_checkpoint"
     m06.load_checkpoint(net, j["folder"])
+    out["stage"] = "forward"
     out["qkv_local"] = attns[0].qkv_proj.weight.detach().clone()
     if moe is not None:
         out["expert_local"] = (moe.experts.gate_up_proj[0].clone(), moe.experts.down_proj[0].clone())
@@ -251,4 +275,5 @@ def select_load(module: str):
     return select.load(module)
 
 
-SCENARIOS = {"column_row": column_row, "qkv_merged": qkv_merged, "vocab": vocab, "model": model, "card": card}
+SCENARIOS = {"column_row": column_row, "qkv_merged": qkv_merged, "qkv_replicated": qkv_replicated, "vocab": vocab,
+             "model": model, "card": card}

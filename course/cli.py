@@ -22,8 +22,9 @@ import subprocess
 import sys
 import time
 
+from rich import box
 from rich.console import Console
-from rich.markdown import Markdown
+from rich.markdown import Markdown, TableElement
 from rich.markup import escape
 from rich.table import Table
 
@@ -40,6 +41,7 @@ def say(*args, **kwargs) -> None:
 
 STATUS_LABEL = {
     "passed": "[green]✓ 通过[/]",
+    "passed_cpu": "[cyan]✓ 通过（CPU）：需要 GPU 的检查还没运行，在 GPU 上再验收一次[/]",
     "changed": "[yellow]✓ 通过（之后文件有改动，重新运行以确认）[/]",
     "failed": "[red]✗ 未通过[/]",
     "todo": "[dim]· 未开始[/]",
@@ -78,17 +80,15 @@ def overview() -> int:
         table.add_column("title")
         table.add_column("status", no_wrap=True)
         for ex in (e for e in registry.CATALOGUE if e.track == track):
-            if not ex.written:
-                label = STATUS_LABEL["coming"]
-            elif ex.needs_gpu:
-                label = STATUS_LABEL["gpu"]
-            else:
-                label = STATUS_LABEL[state.status_of(ex.id, ex.stub)]
+            status = state.status_of(ex.id, ex.stub) if ex.written else "coming"
+            label = STATUS_LABEL["gpu" if ex.needs_gpu and status == "todo" else status]
             table.add_row(ex.id, ex.title, label)
         console.print()
         console.print(table)
     total = len(registry.written())
-    say(f"\n已通过 {len(done)}/{total} 个已发布的练习（目录共 {len(registry.CATALOGUE)} 个）。")
+    cpu_only = sum(state.status_of(i, registry.get(i).stub) == "passed_cpu" for i in done)
+    say(f"\n已通过 {len(done)}/{total} 个已发布的练习（目录共 {len(registry.CATALOGUE)} 个）"
+        + (f"，其中 {cpu_only} 个只在 CPU 上通过（需要 GPU 的检查还没运行）。" if cpu_only else "。"))
     nxt = registry.next_after(None, done)
     if nxt:
         say(f"下一个练习：[bold]{nxt.id}[/] {nxt.title}\n"
@@ -113,19 +113,35 @@ def _print_summary(grade: Grade) -> None:
     if grade.crash:
         say(f"[red]{grade.crash}[/]")
         return
-    failing = [r for r in grade.results if r["status"] in ("failed", "error", "timeout")]
+    failing = grade.failing
     if failing:
-        r = failing[0]
-        say(f"\n[bold red]第一个失败的检查：{escape(r['point'])}[/]  [dim]({escape(r['name'])})[/]")
-        say(r["message"], markup=False)
-        if r.get("where"):
-            say(f"  位置：{r['where']}", markup=False)
-        say(f"  提示：./check.sh hint {ex.id} --level 1    卡片：./check.sh show {ex.id}")
+        say(f"\n[bold red]{len(failing)} 个检查没有通过，逐个说明（一个错误常让几个检查一起失败：每条都读一读，"
+            "点名易错点的那条最可能是原因）：[/]" if len(failing) > 1 else "\n[bold red]没有通过的检查：[/]")
+        for line in failure_report(failing):
+            say(line, markup=False)
+        say(f"\n  提示：./check.sh hint {ex.id} --level 1    卡片：./check.sh show {ex.id}")
     elif grade.all_skipped:
         say(f"\n[cyan]全部跳过：{grade.results[0]['message']}[/]", markup=True)
     elif grade.all_todo:
         say(f"\n还没有实现：打开 {ex.stub.relative_to(ROOT)}，按卡片 lessons/{ex.card.name} 完成 "
                       f"NotImplementedError 处的函数。")
+
+
+def failure_report(failing: list[dict]) -> list[str]:
+    """Every failing check, numbered, with its whole message and location; a check that failed for exactly the
+    same reason as an earlier one (a hung function, a crash in a shared step) points back to it."""
+    lines, seen = [], {}
+    for i, r in enumerate(failing, 1):
+        lines.append(f"\n{i}. {r['point']}  ({r['name']})")
+        key = (r["message"], r.get("where", ""))
+        if key in seen:
+            lines.append(f"  原因同第 {seen[key]} 项")
+            continue
+        seen[key] = i
+        lines.append(r["message"])
+        if r.get("where"):
+            lines.append(f"  位置：{r['where']}")
+    return lines
 
 
 def grade_one(exercise_id: str, solutions: bool) -> int:
@@ -138,14 +154,18 @@ def grade_one(exercise_id: str, solutions: bool) -> int:
     _print_summary(grade)
     n, total = grade.count("passed"), len(grade.results)
     if not solutions and not grade.all_skipped:
-        status = "passed" if grade.passed else ("todo" if grade.all_todo else "failed")
-        state.record(ex.id, status, ex.stub, n, total)
+        state.record(ex.id, grade.status, ex.stub, n, total)
     if grade.passed:
         done = state.passed_ids(registry.CATALOGUE) | {ex.id}
         nxt = registry.next_after(ex.id, done)
         skipped = grade.count("skipped")
-        say(f"\n[green bold]全部 {total} 项通过。[/] [dim]({grade.seconds:.1f} s)[/]" if not skipped else
-            f"\n[green bold]{n} 项通过[/]，{skipped} 项跳过（需要 GPU，在 GPU 上再运行一次以完成验收）。")
+        if not skipped:
+            say(f"\n[green bold]全部 {total} 项通过。[/] [dim]({grade.seconds:.1f} s)[/]")
+        elif grade.gpu_skipped:
+            say(f"\n[cyan bold]通过（CPU）：{n} 项通过，{skipped} 项需要 GPU、没有运行。[/]这还不是验收通过："
+                f"在 GPU 上再运行 ./check.sh {ex.id}，全部通过后进度才记为“通过”。")
+        else:
+            say(f"\n[green bold]{n} 项通过[/]，{skipped} 项跳过。")
         if not solutions:
             say(f"参考解：{ex.reference.relative_to(ROOT)}（讲解见书 附录 {ex.solution_ref}）。"
                           f"下一个练习：{nxt.id + ' ' + nxt.title if nxt else '没有了，全部完成！'}")
@@ -164,10 +184,34 @@ def grade_all(solutions: bool) -> int:
     return code
 
 
+class _WrappingTable(TableElement):
+    """rich's markdown table with every column folding its text onto more lines: a cell too wide for the
+    terminal wraps (rich's default cuts it with "…", and a card's table cell may be the only place a fact is)."""
+
+    def __rich_console__(self, console, options):
+        table = Table(box=box.SIMPLE, pad_edge=False, style="markdown.table.border", show_edge=True,
+                      collapse_padding=True)
+        if self.header is not None and self.header.row is not None:
+            for column in self.header.row.cells:
+                heading = column.content.copy()
+                heading.stylize("markdown.table.header")
+                table.add_column(heading, overflow="fold")
+        if self.body is not None:
+            for row in self.body.rows:
+                table.add_row(*[cell.content for cell in row.cells])
+        yield table
+
+
+class CardMarkdown(Markdown):
+    """The cards and hints in the terminal: rich's Markdown, tables wrapped instead of cut."""
+
+    elements = {**Markdown.elements, "table_open": _WrappingTable}
+
+
 def hint(exercise_id: str, level: int) -> int:
     ex = _exercise(exercise_id)
     try:
-        console.print(Markdown(cards.hint(ex, level)))
+        console.print(CardMarkdown(cards.hint(ex, level)))
     except KeyError as exc:
         say(f"[red]{exc.args[0]}[/]")
         return 2
@@ -178,7 +222,7 @@ def hint(exercise_id: str, level: int) -> int:
 
 def show(exercise_id: str, level: int = 0) -> int:
     ex = _exercise(exercise_id)
-    console.print(Markdown(cards.for_terminal(ex, level)))
+    console.print(CardMarkdown(cards.for_terminal(ex, level)))
     return 0
 
 

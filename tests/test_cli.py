@@ -235,3 +235,67 @@ def test_ctrl_c_exits_130_quietly_and_kills_the_checks(state_dir):
     assert proc.returncode == 130, (out, err)
     assert "Traceback" not in out + err and "已中止" in err, (out, err)
     assert _processes_with(mark) == [], "a check process outlived Ctrl-C"
+
+
+@pytest.mark.parametrize("width", [60, 80])
+def test_show_wraps_table_cells_and_never_cuts_them(width):
+    """rich's markdown tables cut a cell too wide for the terminal with "…" (k02's shape-trace cell "m + log₂ l",
+    the one place its card says base 2, was hidden that way): ./check.sh show and hint fold them onto more lines."""
+    import io
+    import re
+    from rich.console import Console
+    from course.cli import CardMarkdown
+    from course.grader import cards, registry
+    for ex in registry.written():
+        for level in (0, 3):
+            console = Console(width=width, record=True, file=io.StringIO())
+            console.print(CardMarkdown(cards.for_terminal(ex, level)))
+            out = console.export_text()
+            assert out.count("…") == cards.for_terminal(ex, level).count("…"), f"{ex.id} --level {level}: a cell was cut"
+    cell = "`" + "lse = m + log₂ l；" * 12 + "`"                  # one long cell, longer than any terminal line
+    console = Console(width=width, record=True, file=io.StringIO())
+    console.print(CardMarkdown(f"| a |\n|---|\n| {cell} |\n"))
+    assert re.sub(r"\s+", "", cell.strip("`")) in re.sub(r"\s+", "", console.export_text())
+
+
+def test_every_failing_check_is_explained():
+    """Not only the first: a learner who forgets the online-softmax rescale fails the causal-mask check first,
+    and the check that names the real mistake comes later."""
+    from course import cli
+    from course.grader import registry
+    from course.grader.grade import Grade
+    rows = [dict(name="test_a", point="A 检查", status="passed", message="", where=""),
+            dict(name="test_b", point="B 检查", status="failed", message="B 不对\n  看起来像易错点：甲", where="mine/x.py:3"),
+            dict(name="test_c", point="C 检查", status="error", message="RuntimeError: boom", where="mine/x.py:9"),
+            dict(name="test_d", point="D 检查", status="timeout", message="超时：f 没有返回", where="mine/x.py:12"),
+            dict(name="test_e", point="E 检查", status="timeout", message="超时：f 没有返回", where="mine/x.py:12"),
+            dict(name="test_f", point="F 检查", status="todo", message="m03: 请实现 g", where="")]
+    grade = Grade(registry.get("m03"), rows)
+    with cli.console.capture() as cap:
+        cli._print_summary(grade)
+    text = cap.get()
+    assert "4 个检查没有通过" in text
+    for fragment in ("B 检查", "看起来像易错点：甲", "mine/x.py:3", "C 检查", "RuntimeError: boom", "mine/x.py:9",
+                     "D 检查", "超时：f 没有返回", "E 检查", "原因同第 3 项"):
+        assert fragment in text, fragment
+    assert "A 检查" not in text and "F 检查" not in text
+    assert text.count("超时：f 没有返回") == 1                      # the same cause is told once, then pointed to
+
+
+def test_a_cpu_run_that_skipped_gpu_checks_is_passed_on_cpu_only(tmp_path, state_dir, monkeypatch):
+    """Checks skipped for want of a GPU neither fail nor pass: the progress says 通过（CPU） until they ran."""
+    from course.grader import registry, state
+    from course.grader.grade import Grade
+    k01 = registry.get("k01")
+    row = lambda status, message="": dict(status=status, message=message)  # noqa: E731
+    assert Grade(k01, [row("passed"), row("skipped", "需要 GPU")]).status == "passed_cpu"
+    assert Grade(k01, [row("passed"), row("skipped", "需要 2 块 GPU（这台机器有 0 块）")]).status == "passed_cpu"
+    assert Grade(k01, [row("passed"), row("passed")]).status == "passed"
+    assert Grade(k01, [row("passed"), row("failed"), row("skipped", "需要 GPU")]).status == "failed"
+    monkeypatch.setenv(state.STATE_DIR_ENV, state_dir["COURSE_STATE_DIR"])
+    state.record("k01", "passed_cpu", k01.stub, 7, 9)
+    assert state.status_of("k01", k01.stub) == "passed_cpu" and "k01" in state.passed_ids(registry.CATALOGUE)
+    out = cli(env_extra=state_dir)
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    assert "通过（CPU）" in text and "其中 1 个只在 CPU 上通过" in text, out.stdout

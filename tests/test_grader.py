@@ -143,3 +143,24 @@ def test_a_disabled_function_raises_at_once_whatever_its_closure():
     Child.f.__code__ = _raiser(code.co_freevars, "hung", "here")
     with pytest.raises(HungEarlier, match="hung"):
         Child().f()
+
+
+def test_a_triton_kernel_error_on_the_cpu_points_at_the_line_inside_the_kernel(tmp_path):
+    """Under TRITON_INTERPRET=1 the interpreter raises at the launch; the failing line inside the @triton.jit
+    function is the InterpreterError's cause, and that is the line the learner must see (and its error)."""
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("with CUDA the kernel is compiled, not interpreted")
+    k01 = registry.get("k01")
+    anchor = "    dims = tl.arange(0, BLOCK_D)[None, :]                # [1, BLOCK_D]\n"
+    source = k01.reference.read_text(encoding="utf-8")
+    assert source.count(anchor) == 1
+    source = source.replace(anchor, anchor + "    dims = tl.reshape(dims, (3, 5))\n")
+    line = source[:source.index("tl.reshape(dims, (3, 5))")].count("\n") + 1
+    path = tmp_path / f"{k01.module}.py"
+    path.write_text(source, encoding="utf-8")
+    g = run_checks(k01, {"default": "solutions", k01.module: str(path)}, ("-k", "test_store_kvcache_slots"), timeout_s=120)
+    assert len(g.results) == 1 and g.results[0]["status"] == "error", _summary(g)
+    r = g.results[0]
+    assert r["where"].endswith(f"{k01.module}.py:{line}"), _summary(g)
+    assert r["message"].startswith("ValueError") and "Triton 解释器" in r["message"], _summary(g)

@@ -13,6 +13,7 @@ class Plant:
     old: str              # exact text in solutions/<module>.py (must occur once)
     new: str              # the planted mistake
     expect: str | None    # fragment some failure message must contain (the mistake is named), or None
+    gpu_only: bool = False  # only a check that needs CUDA can catch it (the selftest skips it without a GPU)
 
     def apply(self, source: str) -> str:
         count = source.count(self.old)

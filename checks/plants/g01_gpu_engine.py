@@ -1,4 +1,6 @@
-"""Every 易错点 of lessons/g01_gpu_engine.md, planted into a copy of the reference (graded on a CUDA machine)."""
+"""Every 易错点 of lessons/g01_gpu_engine.md, planted into a copy of the reference. The selftest grades them on a
+CUDA machine; the sampler, bucket, static-buffer and returned-rows plants are also caught by the checks that run
+on the CPU (the fake-graph decode contract, the sampler under the Triton interpreter)."""
 
 from checks.plants import Plant
 
@@ -15,11 +17,14 @@ PLANTS = [
     Plant("host_sync_in_capture", "capture 区域里有 host 同步（.item()）",
           old="            with torch.cuda.graph(graph, pool):\n",
           new="            with torch.cuda.graph(graph, pool):\n                longest = int(s[\"lens\"][:bs].max())\n",
-          expect="host 同步"),
+          expect="host 同步", gpu_only=True),
     Plant("bucket_too_small", "选 bucket 时取了 < b 的最大 bucket（批里后面的序列被截掉）",
           old="        bs = next((b for b in sorted(self.graphs) if b >= n), None)\n",
           new="        bs = next((b for b in sorted(self.graphs, reverse=True) if b <= n), None)\n",
-          expect=None),
+          expect="不大于 b 的最大桶"),
+    Plant("decode_returns_padded_rows", "_run_decode 返回了补齐到桶大小的所有行（应只返回真实的 b 行）",
+          old='        return s["out"][:n]\n', new='        return s["out"][:bs]\n',
+          expect="只有本步真实的 b 行"),
     Plant("sampler_tie_last", "单遍 argmax 跨块比较用了 >=：并列最大值取了后面的下标",
           old="        take = x > best_val ", new="        take = x >= best_val ",
           expect="并列最大值"),
@@ -29,4 +34,13 @@ PLANTS = [
     Plant("sampler_no_temperature", "忘了除以温度：x - log(-log U)",
           old="            x = x / t - tl.log(-tl.log(u))", new="            x = x - tl.log(-tl.log(u))",
           expect="没有除以温度"),
+    Plant("sampler_x_times_t", "温度用反了：x·T − log(−log U)",
+          old="            x = x / t - tl.log(-tl.log(u))", new="            x = x * t - tl.log(-tl.log(u))",
+          expect="温度的用法不对"),
+    Plant("sampler_same_noise_every_row", "各行的噪声都一样：tl.rand 的 offset 没有包含行号",
+          old="            u = tl.rand(seed, row * vocab + offs)", new="            u = tl.rand(seed, offs)",
+          expect="各行的噪声都一样"),
+    Plant("sampler_same_seed_every_call", "每次调用都用同一个种子（每一步的噪声都一样）",
+          old="        seed = int(torch.randint(0, 2**31 - 1, (1,)))", new="        seed = 1234",
+          expect="同一个种子"),
 ]

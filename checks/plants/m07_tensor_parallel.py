@@ -89,6 +89,18 @@ PLANTS = [
           old="        block = self.tp_rank if shard[0] == \"q\" else self.tp_rank // self.kv_replicas   # replicas share a KV head\n",
           new="        block = self.tp_rank\n",
           expect="nKV < tp 时复制 KV head"),
+    Plant("kv_replica_modulo", "nKV < tp 时 rank r 取第 r % nKV 个 KV head（tp = 2 时看不出来，tp = 4、nKV = 2 时 rank 1 拿错）",
+          old="        block = self.tp_rank if shard[0] == \"q\" else self.tp_rank // self.kv_replicas   # replicas share a KV head\n",
+          new="        block = self.tp_rank if shard[0] == \"q\" else self.tp_rank % (loaded.shape[0] // size)\n",
+          expect="nKV < tp 时复制 KV head"),
+    Plant("lm_head_not_trimmed", "ParallelLMHead 拼回之后没有去掉补零列（V 不能被 tp 整除时多出 tp·ceil(V/tp) − V 列）",
+          old="        return torch.cat(parts, dim=-1)[:, :self.num_embeddings]                 # drop the padding columns\n",
+          new="        return torch.cat(parts, dim=-1)\n",
+          expect="没有去掉补零列"),
+    Plant("vocab_floor_shard", "词表分片按 V // tp 行切（应为 ceil(V/tp)，最后一片补零）",
+          old="        self.shard_size = -(-num_embeddings // self.tp_size)                   # ceil(V / tp)\n",
+          new="        self.shard_size = num_embeddings // self.tp_size\n",
+          expect="ceil(V/tp)"),
     Plant("kv_not_replicated", "nKV < tp 时报“不能整除”而不是复制 KV head",
           old="        if total_num_kv_heads >= tp_size:\n"
               "            self.num_kv_heads = _divide(total_num_kv_heads, tp_size, \"num_key_value_heads\")\n"

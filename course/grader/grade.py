@@ -55,6 +55,24 @@ class Grade:
                 and all(r["status"] in ("passed", "skipped") for r in self.results))
 
     @property
+    def gpu_skipped(self) -> int:
+        """Checks skipped for want of a GPU (checks/kit.py needs_cuda / needs_cuda_devices: "需要 … GPU")."""
+        return sum(r["status"] == "skipped" and "GPU" in r.get("message", "") for r in self.results)
+
+    @property
+    def status(self) -> str:
+        """What the learner's progress records: passed, passed_cpu (everything that ran here passed, but checks
+        that need a GPU did not run: not yet accepted), todo or failed."""
+        if self.passed:
+            return "passed_cpu" if self.gpu_skipped else "passed"
+        return "todo" if self.all_todo else "failed"
+
+    @property
+    def failing(self) -> list[dict]:
+        """Every check that failed, errored or timed out, in the order they ran."""
+        return [r for r in self.results if r["status"] in ("failed", "error", "timeout")]
+
+    @property
     def all_todo(self) -> bool:
         return self.count("todo") > 0 and all(r["status"] in ("todo", "skipped") for r in self.results)
 

@@ -51,15 +51,21 @@ def record(exercise_id: str, status: str, mine_file: Path, passed: int, total: i
     save(state)
 
 
+PASSED = ("passed", "passed_cpu")
+
+
 def status_of(exercise_id: str, mine_file: Path) -> str:
-    """passed / changed (passed, but the file changed since) / failed / todo."""
+    """passed / passed_cpu (passed where it ran, but the checks that need a GPU did not run) / changed (passed,
+    but the file changed since) / failed / todo."""
     entry = load().get(exercise_id)
     if not entry:
         return "todo"
-    if entry["status"] == "passed":
-        return "passed" if entry.get("digest") == file_digest(mine_file) else "changed"
+    if entry["status"] in PASSED:
+        return entry["status"] if entry.get("digest") == file_digest(mine_file) else "changed"
     return entry["status"]
 
 
 def passed_ids(catalogue) -> set[str]:
-    return {e.id for e in catalogue if status_of(e.id, e.stub) == "passed"}
+    """Exercises whose file passed every check that could run (on the CPU: passed_cpu too). The engine is
+    assembled from them and the next exercise follows them; the overview says which are passed_cpu."""
+    return {e.id for e in catalogue if status_of(e.id, e.stub) in PASSED}
