@@ -51,6 +51,10 @@ def needs_cuda_devices(count: int):
 # replays the same numbers on both machines) and moved with `to_dev`; the torch oracles run on the CPU, and
 # kernel outputs come back with `to_cpu` (assert_close / assert_equal bring them back themselves).
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# fp32 oracles are exact fp32 on CUDA too: cuDNN runs convolutions (HF's GDN conv1d) in TF32 unless told not to,
+# which moves a slowly decaying GDN head's output by ~1e-3 after a few thousand tokens
+torch.backends.cudnn.allow_tf32 = False
+torch.backends.cuda.matmul.allow_tf32 = False
 
 
 def to_dev(*tensors):

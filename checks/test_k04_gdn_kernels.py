@@ -49,9 +49,15 @@ def _tol(dtype: torch.dtype) -> dict:
     return dict(atol=3e-2, rtol=3e-2) if dtype != torch.float32 else dict(atol=2e-4, rtol=2e-4)
 
 
-def _check(actual, expected, *, what: str, rand: Rand, dtype=torch.float32, mistakes=lambda: ()) -> None:
+# On the GPU the HF-layer check runs a few thousand tokens through slowly decaying heads: HF's chunked torch form
+# and the kernel add in different orders, and fp32 drifts by up to ~3e-4 there (2.6e-4 seen at 2,646 tokens)
+LONG_HF_TOL = dict(atol=1e-3, rtol=1e-3)
+
+
+def _check(actual, expected, *, what: str, rand: Rand, dtype=torch.float32, mistakes=lambda: (),
+           tol: dict | None = None) -> None:
     """assert_close at the kernel tolerance; the classic wrong answers (costly) are built only on failure."""
-    tol = _tol(dtype)
+    tol = tol or _tol(dtype)
     if isinstance(actual, torch.Tensor) and close(actual.float(), expected.float().to(actual.device), **tol):
         return
     actual = actual.float().cpu() if isinstance(actual, torch.Tensor) else actual
@@ -414,10 +420,11 @@ def test_prefill_matches_hf_layer():
             cache = DynamicCache(config=cfg)
             ref = L(x[None, bounds[i]:bounds[i + 1]], cache_params=cache)[0]
             what = f"gdn_prefill + HF 的 norm/out_proj（长度 {lengths}）第 {i} 条序列"
-            _check(out[bounds[i]:bounds[i + 1]], ref, what=f"{what} 的层输出", rand=r)
+            tol = LONG_HF_TOL if GPU else None
+            _check(out[bounds[i]:bounds[i + 1]], ref, what=f"{what} 的层输出", rand=r, tol=tol)
             slot = int(slots[i])
             _check(conv_pool[slot], cache.layers[0].conv_states[0][0][:, 1:], what=f"{what} 的 conv_state（HF 缓存的后 K−1 个）", rand=r)
-            _check(ssm_pool[slot], cache.layers[0].recurrent_states[0][0], what=f"{what} 的递推状态（HF 缓存）", rand=r)
+            _check(ssm_pool[slot], cache.layers[0].recurrent_states[0][0], what=f"{what} 的递推状态（HF 缓存）", rand=r, tol=tol)
 
 
 @point("prefill 两段再 decode 1 个 token（状态经池子传递）等于一次性 prefill")
