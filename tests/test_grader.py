@@ -164,3 +164,25 @@ def test_a_triton_kernel_error_on_the_cpu_points_at_the_line_inside_the_kernel(t
     r = g.results[0]
     assert r["where"].endswith(f"{k01.module}.py:{line}"), _summary(g)
     assert r["message"].startswith("ValueError") and "Triton 解释器" in r["message"], _summary(g)
+
+
+def test_a_check_process_that_dies_midway_is_never_a_pass(tmp_path):
+    """A segfault (here os._exit) inside one check: that check is an error, later ones did not run, no pass."""
+    source = M03.reference.read_text(encoding="utf-8")
+    source += "\n\ndef moe_forward(*args, **kwargs):\n    import os\n    os._exit(139)\n"
+    g = _grade_source(tmp_path, source)
+    assert not g.passed, _summary(g)
+    died = [r for r in g.results if r["status"] == "error" and "退出码 139" in r["message"]]
+    assert len(died) == 1, _summary(g)
+    assert any(r["status"] == "passed" for r in g.results), _summary(g)       # the route checks ran before it
+    assert all(r["status"] != "passed" for r in g.results[g.results.index(died[0]):]), _summary(g)
+
+
+def test_events_split_inside_a_character_are_read_whole(tmp_path):
+    path = tmp_path / "events.jsonl"
+    line = '{"event": "result", "message": "未实现"}\n'.encode("utf-8")
+    events = grade._Events(path)
+    path.write_bytes(line[:-8])                  # the write stopped inside a 3-byte character
+    assert events.new() == []
+    path.write_bytes(line)
+    assert events.new() == [{"event": "result", "message": "未实现"}]

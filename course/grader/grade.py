@@ -89,18 +89,18 @@ class _Events:
     """Reads the JSON lines the check process appends (checks/conftest.py), as they arrive."""
 
     def __init__(self, path: Path):
-        self.path, self.offset, self.partial = path, 0, ""
+        self.path, self.offset, self.partial = path, 0, b""
 
     def new(self) -> list[dict]:
         if not self.path.is_file():
             return []
-        with open(self.path, encoding="utf-8") as f:
+        with open(self.path, "rb") as f:       # bytes: a read can end inside a multi-byte character
             f.seek(self.offset)
             chunk = f.read()
             self.offset = f.tell()
-        lines = (self.partial + chunk).split("\n")
-        self.partial = lines.pop()
-        return [json.loads(line) for line in lines if line.strip()]
+        lines = (self.partial + chunk).split(b"\n")
+        self.partial = lines.pop()              # an incomplete last line waits for the rest
+        return [json.loads(line.decode("utf-8")) for line in lines if line.strip()]
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -195,11 +195,35 @@ def run_checks(exercise: Exercise, selection: dict[str, str], extra_args: tuple[
         finally:
             _kill_group(proc)
         grade.seconds = time.monotonic() - start
+        if grade.results and not grade.crash and proc.returncode is not None:
+            _died_midway(grade, planned, running, proc.returncode, log, notify)
         if not grade.results and not grade.crash:
             text = log.read_text(encoding="utf-8", errors="replace")
             tail = "\n".join(text.strip().splitlines()[-15:])
             grade.crash = f"检查进程没有产生结果（退出码 {proc.returncode}）：\n{tail}"
         return grade
+
+
+def _died_midway(grade: Grade, planned: list[dict], running: dict | None, code: int, log: Path,
+                 notify: Listener) -> None:
+    """The check process exited with planned checks unreported (a segfault, a kernel writing past a buffer, an
+    os._exit): the check it was running is an error, the ones after it did not run. Never a pass by omission."""
+    seen = {r["nodeid"] for r in grade.results}
+    missing = [c for c in planned if c["nodeid"] not in seen]
+    if not missing:
+        return
+    text = log.read_text(encoding="utf-8", errors="replace")
+    tail = "\n".join(text.strip().splitlines()[-8:])
+    culprit = running["nodeid"] if running else missing[0]["nodeid"]
+    for check in missing:
+        crashed = check["nodeid"] == culprit
+        r = dict(nodeid=check["nodeid"], name=check["nodeid"].split("::")[-1], point=check["point"],
+                 status="error" if crashed else "notrun", where="",
+                 message=(f"检查进程在运行这个检查时退出了（退出码 {code}），没有给出结果：常见原因是段错误或 kernel "
+                          f"写出了缓冲区的边界。进程最后的输出：\n{tail}") if crashed
+                 else "未运行：检查进程在前面的检查里退出了")
+        grade.results.append(r)
+        notify("result", r)
 
 
 def _give_up(grade: Grade, planned: list[dict], running: dict, notify: Listener) -> None:
