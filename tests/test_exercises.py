@@ -38,13 +38,18 @@ def _graded(ex):
                 broken[plant.id] = exc
                 continue
             jobs[plant.id] = {"default": "solutions", ex.module: str(planted)}
-        # a plant that need not be named in a message can stop at its first failing check
-        quick = {p.id for p in plants_for(ex.module) if p.expect is None}
+        # a plant's grading stops at the first failure that proves it caught (named, when the plant says how):
+        # the checks after it would not change the verdict
+        stops = {p.id: _caught(p) for p in plants_for(ex.module)}
         with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-            futures = {key: pool.submit(run_checks, ex, sel, ("-x",) if key in quick else ())
-                       for key, sel in jobs.items()}
+            futures = {key: pool.submit(run_checks, ex, sel, stop_when=stops.get(key)) for key, sel in jobs.items()}
             _GRADES[ex.id] = {key: f.result() for key, f in futures.items()} | broken
     return _GRADES[ex.id]
+
+
+def _caught(plant):
+    """The failure that settles a plant: any failing check, or one whose message names the mistake."""
+    return lambda r: r["status"] in ("failed", "error", "timeout") and (not plant.expect or plant.expect in r["message"])
 
 
 def _summary(grade) -> str:

@@ -186,3 +186,12 @@ def test_events_split_inside_a_character_are_read_whole(tmp_path):
     assert events.new() == []
     path.write_bytes(line)
     assert events.new() == [{"event": "result", "message": "未实现"}]
+
+
+def test_stop_when_ends_the_run_at_the_failure_it_waits_for(tmp_path):
+    """The selftest stops a plant's grading at the failure that settles it; the rest is 未运行, not a crash."""
+    source = M03.reference.read_text(encoding="utf-8") + "\n\ndef route(*args, **kwargs):\n    raise ValueError('boom')\n"
+    g = _grade_source(tmp_path, source, stop_when=lambda r: r["status"] == "error")
+    assert not g.crash and not g.passed, _summary(g)
+    first = next(i for i, r in enumerate(g.results) if r["status"] == "error")
+    assert g.results[first + 1:] and all(r["status"] == "notrun" for r in g.results[first + 1:]), _summary(g)

@@ -128,8 +128,12 @@ class _no_interrupts:
 
 def run_checks(exercise: Exercise, selection: dict[str, str], extra_args: tuple[str, ...] = (),
                env: dict[str, str] | None = None, timeout_s: float | None = None,
-               on_event: Listener | None = None, wall_s: float | None = None) -> Grade:
+               on_event: Listener | None = None, wall_s: float | None = None,
+               stop_when: Callable[[dict], bool] | None = None) -> Grade:
     """Grade `exercise` under `selection`; `on_event` hears the plan and each result as it arrives.
+
+    stop_when: once a result satisfies it, the check process is ended and the checks not yet run are 未运行
+    (the selftest stops a planted mistake's grading at the failure that names it).
 
     timeout_s: per check (CHECK_TIMEOUT_S); wall_s: once a check timed out, nothing runs past this many
     seconds from the start (WALL_AFTER_TIMEOUT_S, or the limit + 25 s when that is longer)."""
@@ -160,6 +164,7 @@ def run_checks(exercise: Exercise, selection: dict[str, str], extra_args: tuple[
                "--rootdir", str(select.ROOT), "-c", os.devnull, "--no-header", "-rN", *extra_args]
         planned: list[dict] = []
         running: dict | None = None          # the check in progress: its start event and when it began
+        stopped = False                      # stop_when was met: the rest is deliberately not run
         with open(log, "wb") as out:
             proc = subprocess.Popen(cmd, cwd=select.ROOT, env=child_env, stdin=subprocess.DEVNULL, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)
@@ -178,7 +183,10 @@ def run_checks(exercise: Exercise, selection: dict[str, str], extra_args: tuple[
                         running = None
                         grade.results.append(ev)
                         notify("result", ev)
-                if exited:
+                        if stop_when is not None and stop_when(ev):
+                            stopped = True
+                            break
+                if exited or stopped:
                     break
                 now = time.monotonic()
                 if running and now - running["since"] > running["limit"] + GRACE_S:
@@ -195,7 +203,9 @@ def run_checks(exercise: Exercise, selection: dict[str, str], extra_args: tuple[
         finally:
             _kill_group(proc)
         grade.seconds = time.monotonic() - start
-        if grade.results and not grade.crash and proc.returncode is not None:
+        if stopped:
+            _not_run(grade, planned, "未运行：要找的失败已经出现，提前结束", notify)
+        elif grade.results and not grade.crash and proc.returncode is not None:
             _died_midway(grade, planned, running, proc.returncode, log, notify)
         if not grade.results and not grade.crash:
             text = log.read_text(encoding="utf-8", errors="replace")
@@ -214,16 +224,14 @@ def _died_midway(grade: Grade, planned: list[dict], running: dict | None, code: 
         return
     text = log.read_text(encoding="utf-8", errors="replace")
     tail = "\n".join(text.strip().splitlines()[-8:])
-    culprit = running["nodeid"] if running else missing[0]["nodeid"]
-    for check in missing:
-        crashed = check["nodeid"] == culprit
-        r = dict(nodeid=check["nodeid"], name=check["nodeid"].split("::")[-1], point=check["point"],
-                 status="error" if crashed else "notrun", where="",
-                 message=(f"检查进程在运行这个检查时退出了（退出码 {code}），没有给出结果：常见原因是段错误或 kernel "
-                          f"写出了缓冲区的边界。进程最后的输出：\n{tail}") if crashed
-                 else "未运行：检查进程在前面的检查里退出了")
-        grade.results.append(r)
-        notify("result", r)
+    culprit = next((c for c in missing if running and c["nodeid"] == running["nodeid"]), missing[0])
+    r = dict(nodeid=culprit["nodeid"], name=culprit["nodeid"].split("::")[-1], point=culprit["point"],
+             status="error", where="",
+             message=f"检查进程在运行这个检查时退出了（退出码 {code}），没有给出结果：常见原因是段错误或 kernel "
+                     f"写出了缓冲区的边界。进程最后的输出：\n{tail}")
+    grade.results.append(r)
+    notify("result", r)
+    _not_run(grade, planned, "未运行：检查进程在前面的检查里退出了", notify)
 
 
 def _give_up(grade: Grade, planned: list[dict], running: dict, notify: Listener) -> None:
@@ -234,10 +242,15 @@ def _give_up(grade: Grade, planned: list[dict], running: dict, notify: Listener)
                           f"torch 运算或在等子进程？），检查进程已被强制结束")
     grade.results.append(result)
     notify("result", result)
+    _not_run(grade, planned, "未运行：前面的检查超时，检查进程已被强制结束", notify)
+
+
+def _not_run(grade: Grade, planned: list[dict], message: str, notify: Listener) -> None:
+    """Every planned check without a result is reported as not run, with `message`."""
     seen = {r["nodeid"] for r in grade.results}
     for check in planned:
         if check["nodeid"] not in seen:
             r = dict(nodeid=check["nodeid"], name=check["nodeid"].split("::")[-1], point=check["point"],
-                     status="notrun", where="", message="未运行：前面的检查超时，检查进程已被强制结束")
+                     status="notrun", where="", message=message)
             grade.results.append(r)
             notify("result", r)
