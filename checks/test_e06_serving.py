@@ -815,7 +815,8 @@ def test_engine_step_failure():
         "\n  看起来像易错点：sse_frames 没有把 run_request 的异常变成 SSE 错误事件（流被直接截断）")
     leaked = h["free_blocks"] < h["total_blocks"]
     assert h["unfinished"] == 0 and not leaked, (f"step() 失败后在途的请求应被 abort：{h}" + (
-        "\n  看起来像易错点：出错的请求没有 llm.abort，block 没有归还" if leaked else ""))
+        "\n  看起来像易错点：出错的请求没有 llm.abort（答复已经发出，请求却还留在引擎里或占着 block）"
+        if h["unfinished"] or leaked else ""))
     assert h["pending"] == 0, f"step() 失败、引擎空闲之后在途计数应归零：{h}"
     ok = httpx.post(url + "/v1/completions", json={**body, "max_tokens": 3}, timeout=30)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3, f"出错之后的正常请求：{ok.text}"
