@@ -225,23 +225,15 @@ def _died_midway(grade: Grade, planned: list[dict], running: dict | None, code: 
     text = log.read_text(encoding="utf-8", errors="replace")
     tail = "\n".join(text.strip().splitlines()[-8:])
     culprit = next((c for c in missing if running and c["nodeid"] == running["nodeid"]), missing[0])
-    r = dict(nodeid=culprit["nodeid"], name=culprit["nodeid"].split("::")[-1], point=culprit["point"],
-             status="error", where="",
-             message=f"检查进程在运行这个检查时退出了（退出码 {code}），没有给出结果：常见原因是段错误或 kernel "
-                     f"写出了缓冲区的边界。进程最后的输出：\n{tail}")
-    grade.results.append(r)
-    notify("result", r)
+    _report(grade, culprit, "error", f"检查进程在运行这个检查时退出了（退出码 {code}），没有给出结果：常见原因是段错误或 "
+                                     f"kernel 写出了缓冲区的边界。进程最后的输出：\n{tail}", notify)
     _not_run(grade, planned, "未运行：检查进程在前面的检查里退出了", notify)
 
 
 def _give_up(grade: Grade, planned: list[dict], running: dict, notify: Listener) -> None:
     """The running check ignored its interrupt: it is a timeout, the checks after it are not run."""
-    result = dict(nodeid=running["nodeid"], name=running["nodeid"].split("::")[-1], point=running["point"],
-                  status="timeout", where="",
-                  message=f"超时：这个检查超过 {running['limit']:.0f} 秒没有结束，也没有响应中断（卡在一个很长的 "
-                          f"torch 运算或在等子进程？），检查进程已被强制结束")
-    grade.results.append(result)
-    notify("result", result)
+    _report(grade, running, "timeout", f"超时：这个检查超过 {running['limit']:.0f} 秒没有结束，也没有响应中断（卡在一个"
+                                       f"很长的 torch 运算或在等子进程？），检查进程已被强制结束", notify)
     _not_run(grade, planned, "未运行：前面的检查超时，检查进程已被强制结束", notify)
 
 
@@ -250,7 +242,12 @@ def _not_run(grade: Grade, planned: list[dict], message: str, notify: Listener) 
     seen = {r["nodeid"] for r in grade.results}
     for check in planned:
         if check["nodeid"] not in seen:
-            r = dict(nodeid=check["nodeid"], name=check["nodeid"].split("::")[-1], point=check["point"],
-                     status="notrun", where="", message=message)
-            grade.results.append(r)
-            notify("result", r)
+            _report(grade, check, "notrun", message, notify)
+
+
+def _report(grade: Grade, check: dict, status: str, message: str, notify: Listener) -> None:
+    """A result the grader writes itself for a planned (or started) check that the check process never reported."""
+    r = dict(nodeid=check["nodeid"], name=check["nodeid"].split("::")[-1], point=check["point"], status=status,
+             where="", message=message)
+    grade.results.append(r)
+    notify("result", r)
