@@ -18,13 +18,17 @@ from checks.kit import Rand, assert_equal, explain_crash, impl, point
 
 MODULE = "e07_hybrid_prefix_cache"
 NO_ALIGN = "预算用完时 chunk 没有退回到 block 边界：状态只在 chunk 末尾存在，落在块中间的状态存不成快照"
-NO_TAIL = "prompt 的最后一个 block 边界没有切开：整条 prompt 一步算完，下一轮对话找不到这条 prompt 末尾的快照"
+TAIL_CUT = ("prompt 的最后一段也退回了 block 边界：剩下不足一块的尾巴要等下一步才算，每条请求的首 token 都晚一步"
+            "（end == num_tokens 时原样返回 end；下一轮要的状态由 decode 在块边界拍）")
 NO_BRANCH = "没有在共享前缀的分叉点（shared_end）切开：共享 system prompt 的请求之间没有可用的快照"
 EMPTY = "切出了空 chunk 或倒退（切点 <= start）：chunk 里没有 block 边界时应原样返回 end"
 KV_ONLY = "有 KV 但没有快照的块也算了命中：GDN 层拿不到那个位置的状态"
 STALE = ("命中没有要求前缀的 KV 块都已算好（block_manager.computed）：e02 在分配时就登记哈希，块被逐出、"
          "又被一条还没跑过的序列重新登记后，旧快照仍然命中，读到的是没算过的 KV")
-DECODE = "decode 走到 block 边界也拍了快照：每 P 个 token 一份、每份几十 MiB，很快挤掉有用的快照（只在 prompt 的 prefill 里拍：end <= num_prompt_tokens）"
+DECODE_NEVER = ("decode 走到 block 边界没有拍快照：下一轮对话以这一轮的整段回答开头，只能从 prompt 里更早的快照"
+                "重算整段回答")
+DECODE_ALL = ("同一条序列在 prompt 之后拍的旧快照没有丢：每 P 个 token 多一份、每份几十 MiB，很快挤掉有用的快照"
+              "（prompt 之后每条序列只留最新的一份：newest[seq_id]）")
 OFF_BY_ONE = "快照挂错了块：边界 j·P 处的状态属于第 j-1 块（block_table[end // P - 1] 的哈希），不是第 j 块"
 NO_CONV = "restore 只恢复了 recurrent state（ssm），没有恢复 conv state"
 NO_SSM = "restore 只恢复了 conv state，没有恢复 recurrent state（ssm）"
@@ -36,11 +40,13 @@ NEW_TOKENS = 5
 
 # ----------------------------------------------------------------------------- chunk_end
 def _expected_end(start, end, num_tokens, bs, shared):
-    """The rule, written as a search: the branch point inside the chunk, else the last boundary inside it."""
+    """The rule, written as a search: the branch point inside the chunk, else the chunk's end when it reaches
+    the end of the tokens, else the last boundary inside it."""
     if start < shared < end:
         return shared
-    limit = end if end < num_tokens else num_tokens
-    return max((b for b in range(start + 1, limit + 1) if b % bs == 0), default=end)
+    if end == num_tokens:
+        return end
+    return max((b for b in range(start + 1, end + 1) if b % bs == 0), default=end)
 
 
 def _check_chunk_end(m, start, end, num_tokens, bs, shared, r=None):
@@ -56,12 +62,12 @@ def _check_chunk_end(m, start, end, num_tokens, bs, shared, r=None):
         msg += f"\n  看起来像易错点：{NO_BRANCH}"
     elif end < num_tokens and got == end:
         msg += f"\n  看起来像易错点：{NO_ALIGN}"
-    elif end == num_tokens and got == end:
-        msg += f"\n  看起来像易错点：{NO_TAIL}"
+    elif end == num_tokens and got % bs == 0:
+        msg += f"\n  看起来像易错点：{TAIL_CUT}"
     raise AssertionError(msg)
 
 
-@point("chunk_end：预算用完退回 block 边界、prompt 尾巴留到下一步、在共享前缀的分叉点切开、没有边界时原样返回")
+@point("chunk_end：预算用完退回 block 边界、在共享前缀的分叉点切开、最后一段算到 prompt 末尾、没有边界时原样返回")
 def test_chunk_end():
     m = impl(MODULE)
     # the card's worked example: P = 16, a 1100-token prompt whose first 992 tokens are cached by others
@@ -116,7 +122,7 @@ def _step(bm, cache, pool, seq, tokens: int) -> bool:
     return took
 
 
-@point("capture / restore：prompt 的 chunk 落在 block 边界才拍、挂在结束处那一块的哈希上、decode 不拍；命中截到最后一个有快照的块；恢复的 conv 与 recurrent 状态逐元素相等")
+@point("capture / restore：算到 block 边界才拍、挂在结束处那一块的哈希上；decode 也拍，但每条序列在 prompt 之后只留最新一份；命中截到最后一个有快照的块；恢复的 conv 与 recurrent 状态逐元素相等")
 def test_capture_restore():
     r = Rand()
     bs = r.choice([2, 4])
@@ -141,13 +147,29 @@ def test_capture_restore():
     took = _step(bm, cache, pool, a, bs - 1)                  # a chunk that ends inside a block: nothing
     assert not took and len(cache.entries) == 1, f"chunk 结束在块中间（{3 * bs - 1}）不该拍快照；{r}"
     took = _step(bm, cache, pool, a, 2)                       # the prompt's last chunk [3P-1, 3P+1): no boundary
-    while a.num_cached_tokens < 4 * bs:                       # decodes up to boundary 4P: never a snapshot
-        a.append_token(r.int(1, 63))
-        bm.may_append(a)
-        took = _step(bm, cache, pool, a, 1) or took
-    if took or len(cache.entries) != 1:
-        raise AssertionError(f"decode 走到 block 边界 {4 * bs} 时不该拍快照（只在 prompt 的 prefill 里拍）；{r}"
-                             f"\n  看起来像易错点：{DECODE}")
+    assert not took and len(cache.entries) == 1, f"chunk [{3 * bs - 1}, {3 * bs + 1}) 里没有落在末尾的块边界，不该拍快照；{r}"
+
+    def decode_to(boundary):
+        """Decode steps (append the sampled token, then compute it) until `boundary` tokens are computed."""
+        while a.num_cached_tokens < boundary:
+            a.append_token(r.int(1, 63))
+            bm.may_append(a)
+            _step(bm, cache, pool, a, 1)
+        return bm.blocks[a.block_table[boundary // bs - 1]].hash
+
+    key4 = decode_to(4 * bs)                                  # the answer crosses boundary 4P
+    if key4 not in cache.entries:
+        raise AssertionError(f"decode 算完第 {4 * bs} 个 token（block 边界）后应拍一份快照，挂在第 3 块的哈希上；"
+                             f"快照表里只有 {len(cache.entries)} 份；{r}\n  看起来像易错点：{DECODE_NEVER}")
+    key5 = decode_to(5 * bs)                                  # and then 5P: the 4P one is superseded
+    if key5 not in cache.entries:
+        raise AssertionError(f"decode 算完第 {5 * bs} 个 token 后应拍一份快照；{r}\n  看起来像易错点：{DECODE_NEVER}")
+    if key4 in cache.entries or len(cache.entries) != 2:
+        raise AssertionError(f"prompt 之后每条序列只留最新的快照：走到 {5 * bs} 时 {4 * bs} 处那份应丢掉，快照表应为 "
+                             f"prompt 里的 1 份 + 最新的 1 份 = 2 份，得到 {len(cache.entries)} 份"
+                             f"（{4 * bs} 处的{'还在' if key4 in cache.entries else '已丢'}）；{r}"
+                             + (f"\n  看起来像易错点：{DECODE_ALL}" if key4 in cache.entries else ""))
+    assert key in cache.entries, f"prompt 里边界 {2 * bs} 处的快照不该因为 decode 的新快照丢掉；{r}"
 
     # b shares a's first 3 full blocks (KV hits), but only block 1 has a snapshot: b resumes at 2P
     b = _seq(e02, prompt[:3 * bs] + r.randint(1, 64, (bs + 1,)).tolist(), bs)
@@ -298,14 +320,19 @@ def _multiturn(family: str):
         prev, (_, _, before), (_, _, after) = log[t - 1][0], log[t - 1], log[t]
         hits = after["snapshot_hits"] - before["snapshot_hits"]
         saved = after["prefill_tokens_saved"] - before["prefill_tokens_saved"]
-        floor = sum(len(p) // bs * bs for p in prev)
+        # each turn fed its prompt and all but the last answer token; the newest boundary in there has a snapshot
+        floor = sum((len(p) + NEW_TOKENS - 1) // bs * bs for p in prev)
         assert hits >= len(prev), (f"{family}：第 {t + 1} 轮 {len(prev)} 条请求都接着上一轮，只有 {hits} 条从快照恢复"
-                                   f"（stats={after}）；{r}\n  看起来像易错点：{NO_TAIL}")
-        assert saved >= floor, (f"{family}：第 {t + 1} 轮省下 {saved} 个 prefill token，上一轮 prompt 的整块部分共 "
-                                f"{floor} 个，至少应省下这些（stats={after}）；{r}")
+                                   f"（stats={after}）；{r}")
+        if saved < floor:
+            prompt_only = sum(len(p) // bs * bs for p in prev)
+            raise AssertionError(
+                f"{family}：第 {t + 1} 轮省下 {saved} 个 prefill token；上一轮每条都算过 prompt + 回答的前 "
+                f"{NEW_TOKENS - 1} 个 token，其中最后一个 block 边界之前共 {floor} 个，应从那里的快照恢复"
+                f"（stats={after}）；{r}" + (f"\n  看起来像易错点：{DECODE_NEVER}" if saved <= prompt_only else ""))
 
 
-@point("多轮对话（qwen3_5_text）：打开缓存后每个输出与关闭缓存、与 HF generate 逐 token 一致；第 2 轮起每条请求都从快照恢复，省下的 prefill token 不少于上一轮 prompt 的整块部分")
+@point("多轮对话（qwen3_5_text）：打开缓存后每个输出与关闭缓存、与 HF generate 逐 token 一致；第 2 轮起每条请求都从上一轮回答里最后一个块边界的快照恢复")
 def test_multiturn_qwen3_5():
     _multiturn("qwen3_5_text")
 

@@ -7,10 +7,12 @@ by the chained hash (e02) of the block that ends there; a request whose prefix r
 the snapshot into its fresh pool slot (e04) and prefills from there, reusing the KV blocks as before.
 
     where     the state exists only at the end of a step's chunk. For hybrid models the scheduler cuts a
-              prefill chunk at a block boundary: where the budget ran out (rounded down), at the prompt's
-              last boundary (the tail runs in the next step), and where the request leaves the KV blocks
-              already cached for it (a shared system prompt: the branch point). After the step, a chunk
-              of the prompt that ended on boundary j*P snapshots the state under block j-1's hash. Decodes never do.
+              prefill chunk at a block boundary where the budget ran out (rounded down) and where the
+              request leaves the KV blocks already cached for it (a shared system prompt: the branch
+              point); the prompt's last chunk runs to its end, so its first token costs no extra step.
+              After the step, a chunk that ended on boundary j*P snapshots the state under block j-1's
+              hash. Decodes snapshot at boundaries too, but a sequence keeps only its newest snapshot past
+              its prompt: the next turn of a chat starts with this whole answer, so it resumes from there.
     hit       e02's run of KV hits, cut back to its longest prefix whose last block has a valid snapshot:
               KV without the state is useless to a GDN layer, a state without its KV useless to attention.
     valid     the hash names every token before the boundary, so the state is a function of it. A hit also
@@ -42,9 +44,10 @@ def chunk_end(start: int, end: int, num_tokens: int, block_size: int, shared_end
     """Where a prefill chunk [start, end) of a sequence of num_tokens tokens should stop.
 
     shared_end: tokens of the sequence whose KV blocks were already cached when it was admitted. The
-    result is shared_end when it lies inside the chunk; otherwise end rounded down to a block boundary
-    (end < num_tokens: the budget ran out) or the prompt's last boundary (end == num_tokens); never <= start
-    (then the chunk is left as it is: a chunk that cannot end on a boundary is still computed).
+    result is shared_end when it lies inside the chunk; else end itself when the chunk reaches the end of
+    the tokens (end == num_tokens: the first token comes this step); else end rounded down to a block
+    boundary (the budget ran out), but never <= start (then the chunk is left as it is: a chunk that cannot
+    end on a boundary is still computed).
     """
     raise NotImplementedError("e07: 请实现 chunk_end（见 lessons/e07_hybrid_prefix_cache.md）")
 
@@ -60,6 +63,7 @@ class StateCache:
         self.free_rows = list(range(num_snapshots - 1, -1, -1))
         self.entries: OrderedDict[int, int] = OrderedDict()      # prefix hash -> row; front = least recently used
         self.block_manager: HybridBlockManager | None = None     # set by HybridBlockManager
+        self.newest: dict[int, int] = {}                         # seq_id -> hash of its newest snapshot past its prompt
         self.num_captured = self.num_restored = self.num_evicted = self.tokens_restored = 0
 
     @property
@@ -84,12 +88,12 @@ class StateCache:
         raise NotImplementedError("e07: 请实现 StateCache.lookup（见 lessons/e07_hybrid_prefix_cache.md）")
 
     def capture(self, seq: Sequence, pool: GDNStatePool) -> bool:
-        """After a step (before postprocess): snapshot seq's state if its prompt chunk ended on a block boundary.
+        """After a step (before postprocess): snapshot seq's state if what it computed ended on a block boundary.
 
-        The step computed [num_cached_tokens, num_cached_tokens + num_scheduled_tokens). Only chunks of the
-        prompt snapshot (end <= num_prompt_tokens): a decode crosses a boundary every P tokens, and those states
-        would crowd out the useful ones. The entry is keyed by the hash of the block that ends at the boundary
-        (it names every token before it); an entry already there is refreshed, else a row is taken (LRU).
+        The step computed [num_cached_tokens, num_cached_tokens + num_scheduled_tokens). The entry is keyed by
+        the hash of the block that ends at the boundary (it names every token before it); an entry already
+        there is refreshed, else a row is taken (LRU). Past the prompt (a decode crosses a boundary every P
+        tokens) a sequence keeps one snapshot, its newest: the one it took before is dropped first.
         """
         raise NotImplementedError("e07: 请实现 StateCache.capture（见 lessons/e07_hybrid_prefix_cache.md）")
 
@@ -130,6 +134,7 @@ class HybridBlockManager(BlockManager):
     def deallocate(self, seq: Sequence) -> None:
         super().deallocate(seq)
         self.shared_tokens.pop(seq.seq_id, None)
+        self.state_cache.newest.pop(seq.seq_id, None)   # its snapshots stay; only the bookkeeping goes
 
 
 class HybridScheduler(Scheduler):
