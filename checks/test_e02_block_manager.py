@@ -9,6 +9,7 @@ collide) that check the invariants after every operation and that a hit always r
 from __future__ import annotations
 
 import contextlib
+import traceback
 
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
@@ -40,27 +41,28 @@ NO_COPY = "Sequence 没有复制调用者的 token 列表：append_token 改动�
 OFF_BY_ONE = "may_append 的块边界差一：新块应在新 token 是某块第一个 token 时分配（len(seq) % block_size == 1），块刚写满（% == 0）时只登记哈希"
 
 CRASHES = {
-    "pop from an empty deque": "free list 空了还在分配：can_allocate / can_append 对需要的空闲块数估计错了",
-    "not in deque": "从 free list 取回的块不在 free list 里：只有引用计数为 0 的命中块才需要取回",
     "list index out of range": "下标越界：检查 block_table 的长度与 seq.num_blocks 是否一致",
 }
+EMPTY_FREE_LIST = "free list 空了还在分配：can_allocate / can_append 对需要的空闲块数估计错了"
+NOT_FREE = "从 free list 取回的块不在 free list 里：只有引用计数为 0 的命中块才需要取回"
 
 
 @contextlib.contextmanager
 def _explained():
-    """explain_crash, plus the KeyError of a double free (set.remove of a block that is not in use) and
-    the ValueError of deque.remove."""
+    """explain_crash, plus the KeyErrors: which container raised it is read from the line that raised it
+    (popitem of an empty free list, del of a block not on the free list, set.remove of a block not in use)."""
     try:
         with explain_crash(CRASHES):
             yield
     except KeyError as exc:
-        raise AssertionError(f"运行出错：KeyError: {exc}\n  看起来像易错点：double free——同一个块被释放了两次"
-                             f"（{NOT_CLEARED}；或 {FREED_SHARED}）") from exc
-    except ValueError as exc:
-        for fragment, mistake in CRASHES.items():
-            if fragment in str(exc):
-                raise AssertionError(f"运行出错：ValueError: {exc}\n  看起来像易错点：{mistake}") from exc
-        raise
+        line = traceback.extract_tb(exc.__traceback__)[-1].line or ""
+        if "free_block_ids" in line:
+            mistake = EMPTY_FREE_LIST if "dictionary is empty" in str(exc) else NOT_FREE
+        elif "used_block_ids" in line:
+            mistake = f"double free——同一个块被释放了两次（{NOT_CLEARED}；或 {FREED_SHARED}）"
+        else:
+            raise
+        raise AssertionError(f"运行出错：KeyError: {exc}（出错的一行：{line.strip()}）\n  看起来像易错点：{mistake}") from exc
 
 
 def _manager(block_size: int, num_blocks: int, **kw):

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from itertools import count
@@ -156,7 +156,9 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks: list[Block] = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
-        self.free_block_ids: deque[int] = deque(range(num_blocks))   # head = next to hand out (evict)
+        # the free list as an ordered set: head = next to hand out (evict), tail = freed last; taking a cached
+        # block back from the middle is O(1) (a deque's remove scans the whole list: ~1.4 ms at 150k blocks)
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.used_block_ids: set[int] = set()
         self.num_prefix_hits = 0                                      # blocks reused from the cache
 

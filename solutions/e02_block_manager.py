@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from itertools import count
@@ -159,7 +159,9 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks: list[Block] = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
-        self.free_block_ids: deque[int] = deque(range(num_blocks))   # head = next to hand out (evict)
+        # the free list as an ordered set: head = next to hand out (evict), tail = freed last; taking a cached
+        # block back from the middle is O(1) (a deque's remove scans the whole list: ~1.4 ms at 150k blocks)
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.used_block_ids: set[int] = set()
         self.num_prefix_hits = 0                                      # blocks reused from the cache
 
@@ -185,7 +187,7 @@ class BlockManager:
 
         A block that still carries a hash is a cache entry: it is evicted now, and not earlier.
         """
-        block_id = self.free_block_ids.popleft()
+        block_id, _ = self.free_block_ids.popitem(last=False)
         block = self.blocks[block_id]
         assert block.ref_count == 0
         self._uncache_block(block_id)
@@ -198,7 +200,7 @@ class BlockManager:
         """A block nobody holds any more goes to the tail of the free list, keeping its hash (still cached)."""
         assert self.blocks[block_id].ref_count == 0
         self.used_block_ids.remove(block_id)
-        self.free_block_ids.append(block_id)
+        self.free_block_ids[block_id] = None
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the leading run of cache hits of seq (empty when prefix caching is off).
@@ -237,7 +239,7 @@ class BlockManager:
         for block_id in hits:
             block = self.blocks[block_id]
             if block.ref_count == 0:                                 # cached but unreferenced: on the free list
-                self.free_block_ids.remove(block_id)
+                del self.free_block_ids[block_id]
                 self.used_block_ids.add(block_id)
             block.ref_count += 1
             seq.block_table.append(block_id)
