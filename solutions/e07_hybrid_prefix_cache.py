@@ -168,11 +168,25 @@ class HybridBlockManager(BlockManager):
         self.computed[block_id] = False               # a new owner: registered now, written by a later step
         return block_id
 
+    def _cache_block(self, block_id: int, h: int, token_ids: list[int]) -> None:
+        """e02's registration, except that a copy not computed yet never shadows a registered copy that is:
+        it carries the hash (snapshots are keyed by it), but lookups keep finding the computed one."""
+        old = self.hash_to_block_id.get(h, -1)
+        if old != -1 and old != block_id and self.computed[old]:
+            self.blocks[block_id].update(h, token_ids)
+            return
+        super()._cache_block(block_id, h, token_ids)
+
     def mark_computed(self, seq: Sequence) -> None:
-        """After a step: the blocks that seq's tokens [0, num_cached + num_scheduled) fill completely hold their KV."""
+        """After a step: the blocks that seq's tokens [0, num_cached + num_scheduled) fill completely hold their KV.
+        A block computed now becomes the registered copy of its content if the registered one is not computed
+        (several requests admitted in one step all register the same prefix; the last one may compute least)."""
         done = (seq.num_cached_tokens + seq.num_scheduled_tokens) // self.block_size
         for block_id in seq.block_table[seq.num_cached_tokens // self.block_size:done]:
             self.computed[block_id] = True
+            h = self.blocks[block_id].hash
+            if h != -1 and not self.computed[self.hash_to_block_id.get(h, block_id)]:
+                self.hash_to_block_id[h] = block_id
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         hits = super()._cached_prefix(seq)

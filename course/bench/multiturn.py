@@ -22,7 +22,7 @@ import random
 import statistics
 import time
 
-CPU_DEFAULTS = dict(conversations=4, turns=3, system_len=96, message_len=16, answer_len=8, block_size=16,
+CPU_DEFAULTS = dict(conversations=4, turns=3, system_len=96, message_len=16, answer_len=24, block_size=16,
                     max_num_batched_tokens=256, snapshots=16)
 GPU_DEFAULTS = dict(conversations=64, turns=4, system_len=1000, message_len=100, answer_len=64, block_size=16,
                     max_num_batched_tokens=8192, snapshots=256)
