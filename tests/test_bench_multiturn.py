@@ -12,7 +12,7 @@ def test_multiturn_bench_smoke(tmp_path):
     env = dict(os.environ, COURSE_STATE_DIR=str(tmp_path / "state"), OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-m", "course", "bench", "--workload", "multiturn", "--device", "cpu",
                           "--conversations", "3", "--turns", "2", "--system-len", "40", "--message-len", "8",
-                          "--answer-len", "4"], cwd=select.ROOT, capture_output=True, text=True, env=env, timeout=300)
+                          "--answer-len", "4", "--fixed-answers"], cwd=select.ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     line = next(l for l in out.stdout.splitlines() if l.startswith("BENCH_JSON "))
     result = json.loads(line.split(" ", 1)[1])
@@ -21,3 +21,18 @@ def test_multiturn_bench_smoke(tmp_path):
     assert off["prefill_computed"] == off["prompt_tokens"] and off["snapshot_hits"] == 0
     assert on["snapshot_hits"] >= 3 and on["prefill_computed"] < off["prefill_computed"], result
     assert "prefill tokens computed" in out.stdout and "mean TTFT" in out.stdout
+    assert off["triton_compiles_in_timed_run"] == on["triton_compiles_in_timed_run"] == 0
+
+
+def test_answer_lengths_vary_unless_fixed():
+    """The default draws every answer's length, so that the chats do not end their turns in the same step."""
+    import argparse
+    from course.bench import multiturn
+    args = argparse.Namespace(conversations=8, turns=3, system_len=4, message_len=2, answer_len=64, vocab=50,
+                              fixed_answers=False)
+    _, _, lengths = multiturn.chats(args)
+    flat = [n for per_chat in lengths for n in per_chat]
+    assert min(flat) >= 32 and max(flat) <= 96 and len(set(flat)) > 8, lengths
+    assert multiturn.chats(args) == multiturn.chats(args)                       # seeded: the same every run
+    args.fixed_answers = True
+    assert {n for per_chat in multiturn.chats(args)[2] for n in per_chat} == {64}

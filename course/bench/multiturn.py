@@ -3,10 +3,12 @@
     ./check.sh bench --workload multiturn --model qwen3.5-35b-a3b     the H200 measurement (dummy bf16 weights)
     ./check.sh bench --workload multiturn --device cpu                a tiny hybrid on the CPU (a smoke test)
 
-Workload (random.seed(0)): `conversations` chats share one system prompt of `system_len` random token ids; turn 1
-of chat c is the system prompt + a message of `message_len` tokens; each answer is `answer_len` tokens (greedy,
-ignore_eos); turn t+1 = turn t's prompt + its answer + a new message. Closed loop: every chat sends turn 1 at
-once, and each next turn as soon as the previous answer is complete. The same engine settings run the whole
+Workload (random.Random(0)): `conversations` chats share one system prompt of `system_len` random token ids;
+turn 1 of chat c is the system prompt + a message of `message_len` tokens; each answer has
+randint(answer_len // 2, answer_len + answer_len // 2) tokens, drawn per chat and turn (greedy, ignore_eos;
+--fixed-answers: exactly answer_len, and then the chats run in lockstep: every chat ends each turn in the same
+step, and all next turns arrive at once); turn t+1 = turn t's prompt + its answer + a new message. Closed
+loop: every chat sends turn 1 at once, and each next turn as soon as the previous answer is complete. The same engine settings run the whole
 workload twice in one process, caching off then on; before the clock starts each engine runs the same
 workload with other tokens, so that no Triton kernel compiles inside the timed run (the count of compiles
 seen there is reported, and must be 0). Reported per run: prompt tokens, prefill tokens computed
@@ -39,22 +41,24 @@ def tiny_hybrid_config():
         layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"])
 
 
-def chats(args, seed: int = 0) -> tuple[list[int], list[list[list[int]]]]:
-    """The shared system prompt and, per chat, the new message of every turn."""
+def chats(args, seed: int = 0) -> tuple[list[int], list[list[list[int]]], list[list[int]]]:
+    """The shared system prompt and, per chat, the new message and the answer length of every turn."""
     rng = random.Random(seed)
     vocab = args.vocab
     system = [rng.randrange(1, vocab) for _ in range(args.system_len)]
     messages = [[[rng.randrange(1, vocab) for _ in range(args.message_len)] for _ in range(args.turns)]
                 for _ in range(args.conversations)]
-    return system, messages
+    a = args.answer_len
+    lengths = [[a if args.fixed_answers else rng.randint(max(1, a // 2), a + a // 2) for _ in range(args.turns)]
+               for _ in range(args.conversations)]
+    return system, messages, lengths
 
 
 def run_chats(llm, SamplingParams, args, caching: bool, seed: int = 0) -> dict:
     """Drive the closed-loop chats through llm.step(); count what the model computed and when first tokens came.
     Engine counters (steps, hits, ...) are reported as the difference over this call."""
-    system, messages = chats(args, seed)
+    system, messages, lengths = chats(args, seed)
     before = dict(llm.stats)
-    params = SamplingParams(temperature=0.0, max_tokens=args.answer_len, ignore_eos=True)
     computed = [0]
     inner_run = llm.runner.run
 
@@ -71,6 +75,7 @@ def run_chats(llm, SamplingParams, args, caching: bool, seed: int = 0) -> dict:
 
     def submit(c):
         nonlocal prompt_tokens
+        params = SamplingParams(temperature=0.0, max_tokens=lengths[c][turn[c]], ignore_eos=True)
         rid = llm.add_request(history[c], params)
         owner[rid], submitted[rid], answers[rid] = c, time.perf_counter(), []
         turn_of[rid] = turn[c]
@@ -171,6 +176,9 @@ def main(argv: list[str], say) -> int:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--num-kvcache-blocks", type=int, default=2048, help="CPU only (the GPU sizes it from memory)")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--fixed-answers", action="store_true",
+                   help="every answer exactly --answer-len tokens (then the chats run in lockstep: every chat ends "
+                        "each turn in the same step and all next turns arrive at once)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     import torch
@@ -181,14 +189,14 @@ def main(argv: list[str], say) -> int:
     for name, value in (GPU_DEFAULTS if args.device == "cuda" else CPU_DEFAULTS).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    longest = args.system_len + args.turns * (args.message_len + args.answer_len)
+    longest = args.system_len + args.turns * (args.message_len + args.answer_len + args.answer_len // 2)
     args.max_model_len = args.max_model_len or longest + 64
     args.vocab = 151936 if args.device == "cuda" else 512
     results = [measure(args, caching=False), measure(args, caching=True)]
     from rich.table import Table
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU, tiny dummy Qwen3.5-MoE"
     table = Table(title=f"multiturn: {args.conversations} chats × {args.turns} turns, system prompt {args.system_len}, "
-                        f"message {args.message_len}, answer {args.answer_len}  ({args.model if args.device == 'cuda' else where}"
+                        f"message {args.message_len}, answer {'' if args.fixed_answers else '≈'}{args.answer_len}  ({args.model if args.device == 'cuda' else where}"
                         f"{', ' + where if args.device == 'cuda' else ''})")
     for col in ("prefix caching", "prompt tok", "prefill computed", "snapshot hits", "mean TTFT ms", "p50 ms",
                 "p90 ms", "output tok/s", "seconds"):
