@@ -187,7 +187,8 @@ def crash_text(exc: BaseException) -> str:
 def explain_crash(patterns: dict[str, str]):
     """Turn a crash whose text contains a known fragment into a failure naming the mistake (chained `from` the
     crash, so the grader's 位置 is still the line in the exercise file; for a Triton kernel run by the
-    interpreter, the line inside the @triton.jit function).
+    interpreter, the line inside the @triton.jit function). The exceptions it was raised while handling are
+    searched first (a CUDA graph capture that failed inside reports "a previous error during capture" on exit).
 
     with explain_crash({"cannot be multiplied": "gate/up 投影少了转置"}): ...
     """
@@ -198,9 +199,15 @@ def explain_crash(patterns: dict[str, str]):
         if not isinstance(exc, crash) and type(exc).__name__ != "InterpreterError":
             raise
         text = crash_text(exc)
-        for fragment, mistake in patterns.items():
-            if fragment in text:
-                raise AssertionError(f"运行出错：{text}\n  看起来像易错点：{mistake}") from exc
+        chain, inner = [], exc              # the crash and what it was raised while handling, the root cause first
+        while inner is not None and len(chain) < 6:
+            chain.insert(0, crash_text(inner))
+            inner = inner.__context__
+        for cause in chain:
+            for fragment, mistake in patterns.items():
+                if fragment in cause:
+                    first = f"（最先出错的是：{cause}）" if cause != text else ""
+                    raise AssertionError(f"运行出错：{text}{first}\n  看起来像易错点：{mistake}") from exc
         raise
 
 

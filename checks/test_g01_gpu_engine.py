@@ -35,6 +35,8 @@ CAPTURE = {
     "operation not permitted when stream is capturing": "在 CUDA graph 的 capture 区域里同步了 host（.item() / .tolist() / "
                                                         "按数据决定形状）：decode 的前向里不能有 host 同步",
     "capturing": "在 CUDA graph 的 capture 区域里同步了 host：decode 的前向里不能有 host 同步",
+    "previous error during capture": "capture 区域里有一步 CUDA graph 不允许的操作（最常见的是 host 同步：.item() / "
+                                     ".tolist() / 按数据决定形状）：decode 的前向里不能有",
 }
 
 

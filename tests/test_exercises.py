@@ -23,7 +23,8 @@ _TMP = tempfile.TemporaryDirectory(prefix="course-plants-")
 
 
 def _graded(ex):
-    """Grade the reference, the stub and every plant of `ex`, as many at once as there are cores."""
+    """Grade the reference, the stub and every plant of `ex`, as many at once as there are cores (two for a GPU
+    exercise on a GPU)."""
     if ex.id not in _GRADES:
         jobs = {"reference": {"default": "solutions"}, "stub": {"default": "solutions", ex.module: "mine"}}
         broken = {}
@@ -41,7 +42,10 @@ def _graded(ex):
         # a plant's grading stops at the first failure that proves it caught (named, when the plant says how):
         # the checks after it would not change the verdict
         stops = {p.id: _caught(p) for p in plants_for(ex.module)}
-        with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        # on a GPU every g01 grading builds models of real width on the one device (~17-21 GiB each): as many at
+        # once as there are cores ran the H200 out of memory (2026-12-01, 16 cores); two fit
+        workers = 2 if CUDA and ex.needs_gpu else max(1, os.cpu_count() or 1)
+        with ThreadPoolExecutor(max_workers=workers) as pool:
             futures = {key: pool.submit(run_checks, ex, sel, stop_when=stops.get(key)) for key, sel in jobs.items()}
             _GRADES[ex.id] = {key: f.result() for key, f in futures.items()} | broken
     return _GRADES[ex.id]
