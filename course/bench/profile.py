@@ -6,6 +6,8 @@ On the bench workload (same prompts, same engine, warmed up as `./check.sh bench
             and the step's wall time; the rest of the wall time is the host (Python, launches, waiting)
   decode    the first decode step with the batch full, likewise (the steps before it unprofiled), then one
             CUDA-graph replay at batch 1 under the profiler: the GPU floor of a small-batch step
+  mixed     a step where one new 110-token request (a chat turn whose prefix is cached) joins the running
+            decodes: any prefill sends the whole batch down the eager path
   host      the CPU operators with the most self time in the profiled prefill step, and how many times the
             host waited for the device (cudaStreamSynchronize / cudaDeviceSynchronize / blocking memcpy)
 The profiler adds a few microseconds of host time per operator: the plain wall times beside it are the
@@ -15,6 +17,7 @@ numbers to quote; the profiled step gives the split.
 from __future__ import annotations
 
 import json
+import random
 import re
 import time
 
@@ -159,10 +162,27 @@ def profile_steps(args, prompts, out_lens, say) -> int:
             report["decode_graph_b1"] = _split(prof, wall)
             _say_split(f"one CUDA-graph replay at batch {one}, context {context} (the GPU floor of a small-batch step)",
                        report["decode_graph_b1"], [], say)
+        # a mixed step: a new 110-token request joins the running decodes (a chat's next turn with its prefix
+        # cached). Any prefill sends the whole batch down the eager path: this is what such a step costs
+        while llm.has_unfinished() and len(llm.scheduler.running) >= args.max_num_seqs:
+            llm.step()                                   # until a sequence has finished and left a free seat
+        rng = random.Random(2)
+        for profiled in (False, True):                   # the first one unprofiled: Triton compiles outside
+            llm.add_request([rng.randrange(1, 10000) for _ in range(110)],
+                            SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1))
+            decodes = sum(s.num_tokens - s.num_cached_tokens == 1 for s in llm.scheduler.running)
+            if profiled:
+                prof, wall = _profiled(llm.step)
+            else:
+                llm.step()
+        report["mixed"] = _split(prof, wall)
+        report["mixed"]["decodes"] = decodes
+        _say_split(f"mixed step: {decodes} decodes + one 110-token prefill (eager, no CUDA graph)", report["mixed"],
+                   [], say)
     say(f"Triton compiles during the profiled steps: {len(compiled)}"
         + (f" ({', '.join(sorted(set(compiled)))})" if compiled else ""))
     report["triton_compiles"] = compiled
-    for part in ("prefill", "decode", "decode_graph_b1"):
+    for part in ("prefill", "decode", "decode_graph_b1", "mixed"):
         if part in report:
             report[part]["top_cpu_ops"] = report[part]["top_cpu_ops"][:10]
     print("PROFILE_JSON " + json.dumps(report), flush=True)
