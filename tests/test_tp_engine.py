@@ -241,3 +241,13 @@ def test_a_model_that_cannot_be_split_is_refused_and_the_next_engine_starts():
     with _llm(folder, tensor_parallel_size=2) as llm:            # closes the broken group first
         assert [o.token_ids for o in llm.generate(prompts[:2], _greedy())] == ref
     assert all(_gone(pid) for pid in pids) and tp_engine._ACTIVE is None
+
+
+def test_hybrid_prefix_caching_at_tp2_is_refused_and_leaves_no_worker():
+    """e07's snapshots hold one rank's heads only: TP > 1 with hybrid prefix caching is a clear ValueError, and the
+    workers started for it are stopped."""
+    folder, _ = _case("qwen3_5_text")
+    with pytest.raises(ValueError, match="tensor_parallel_size=1 only"):
+        _llm(folder, tensor_parallel_size=2, enable_prefix_caching=True)
+    from course.runtime import tp_engine
+    assert tp_engine._ACTIVE is None or all(_gone(w.process.pid) for w in tp_engine._ACTIVE.workers)
