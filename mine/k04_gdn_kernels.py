@@ -126,10 +126,12 @@ def _chunk_table(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     raise NotImplementedError("k04: 请实现 _chunk_table（见 lessons/k04_gdn_kernels.md）")
 
 
-def _rule_varlen(q, k, v, g, beta, cu_seqlens, state_in, state_out, state_idx, raw_gates=None, scale=None):
+def _rule_varlen(q, k, v, g, beta, cu_seqlens, state_in, state_out, state_idx, raw_gates=None, scale=None,
+                 chunks=None):
     """The gated delta rule over packed sequences. q, k [N, HK, dk], v [N, HV, dv] (strided views allowed, last dim
     contiguous); g, beta [N, HV] (or the raw a, b with raw_gates = (A_log, dt_bias)); states [S, HV, dk, dv] fp32 at
-    rows state_idx [B]. scale None: q, k are used as given; else they are l2-normalised and q scaled by it."""
+    rows state_idx [B]. scale None: q, k are used as given; else they are l2-normalised and q scaled by it.
+    chunks: _chunk_table(cu_seqlens) when the caller has it already (its host sync is then not paid twice)."""
     raise NotImplementedError("k04: 请实现 _rule_varlen（见 lessons/k04_gdn_kernels.md）")
 
 
