@@ -8,12 +8,12 @@ turn 1 of chat c is the system prompt + a message of `message_len` tokens; each 
 randint(answer_len // 2, answer_len + answer_len // 2) tokens, drawn per chat and turn (greedy, ignore_eos;
 --fixed-answers: exactly answer_len, and then the chats run in lockstep: every chat ends each turn in the same
 step, and all next turns arrive at once); turn t+1 = turn t's prompt + its answer + a new message. Closed
-loop: every chat sends turn 1 at once, and each next turn as soon as the previous answer is complete. The same engine settings run the whole
-workload twice in one process, caching off then on; before the clock starts each engine runs the same
-workload with other tokens, so that no Triton kernel compiles inside the timed run (the count of compiles
-seen there is reported, and must be 0). Reported per run: prompt tokens, prefill tokens computed
-(prompt tokens the model actually ran), snapshot hits, mean / p50 / p90 time to first token (from submitting a
-turn to its first token), output tokens per second, wall time.
+loop: every chat sends turn 1 at once, and each next turn as soon as the previous answer is complete. The
+same engine settings run the whole workload twice in one process, caching off then on; before the clock
+starts each engine runs the same workload with other tokens, so that no Triton kernel compiles inside the
+timed run (the count of compiles seen there is reported, and must be 0). Reported per run: prompt tokens,
+prefill tokens computed (prompt tokens the model actually ran), snapshot hits, mean / p50 / p90 / per-turn
+time to first token (from submitting a turn to its first token), output tokens per second, wall time.
 """
 
 from __future__ import annotations

@@ -167,14 +167,15 @@ def profile_steps(args, prompts, out_lens, say) -> int:
         while llm.has_unfinished() and len(llm.scheduler.running) >= args.max_num_seqs:
             llm.step()                                   # until a sequence has finished and left a free seat
         rng = random.Random(2)
-        for profiled in (False, True):                   # the first one unprofiled: Triton compiles outside
+
+        def join():                                      # one new 110-token request, answered in one step
             llm.add_request([rng.randrange(1, 10000) for _ in range(110)],
                             SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1))
-            decodes = sum(s.num_tokens - s.num_cached_tokens == 1 for s in llm.scheduler.running)
-            if profiled:
-                prof, wall = _profiled(llm.step)
-            else:
-                llm.step()
+        join()
+        llm.step()                                       # the first one unprofiled: Triton compiles outside
+        join()
+        decodes = sum(s.num_tokens - s.num_cached_tokens == 1 for s in llm.scheduler.running)
+        prof, wall = _profiled(llm.step)
         report["mixed"] = _split(prof, wall)
         report["mixed"]["decodes"] = decodes
         _say_split(f"mixed step: {decodes} decodes + one 110-token prefill (eager, no CUDA graph)", report["mixed"],
