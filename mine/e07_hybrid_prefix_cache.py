@@ -111,11 +111,37 @@ class HybridBlockManager(BlockManager):
         state_cache.block_manager = self
         self.computed = [False] * num_blocks          # the block holds the KV of all its tokens
         self.shared_tokens: dict[int, int] = {}      # seq_id -> tokens of its KV hit run at admission
+        self.wanted: set[int] = set()                # blocks being computed that a waiting request waits for
 
     def _allocate_block(self) -> int:
         block_id = super()._allocate_block()
         self.computed[block_id] = False               # a new owner: registered now, written by a later step
+        self.wanted.discard(block_id)
         return block_id
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        """e02's answer, except that a request waits while another request is computing most of what it would
+        compute: when its KV hit run ends in a block registered but not computed yet (the owner runs now) and
+        that run covers at least half of its uncached tokens. It asks for a snapshot at the run's end (the
+        owner's chunk is cut there) and next step resumes after it: a system prompt is computed once, not once
+        per request admitted in the same step (SGLang's in-batch prefix caching does the same)."""
+        raw = super()._cached_prefix(seq)
+        if raw and not self.computed[raw[-1]]:
+            usable = len(self._cached_prefix(seq))
+            if 2 * (len(raw) - usable) * self.block_size >= seq.num_tokens - usable * self.block_size:
+                self.wanted.add(raw[-1])
+                return False
+        return super().can_allocate(seq)
+
+    def branch_point(self, seq: Sequence) -> int:
+        """Where seq's next prefill chunk should stop so that its snapshot is shared: the first end of one of
+        its uncomputed blocks that a waiting request waits for, else its KV hit run at admission (0: none)."""
+        start = seq.num_cached_tokens // self.block_size
+        if self.wanted:
+            for i in range(start, len(seq.block_table)):
+                if seq.block_table[i] in self.wanted:
+                    return (i + 1) * self.block_size
+        return self.shared_tokens.get(seq.seq_id, 0)
 
     def _cache_block(self, block_id: int, h: int, token_ids: list[int]) -> None:
         """e02's registration, except that a copy not computed yet never shadows a registered copy that is:
@@ -133,6 +159,7 @@ class HybridBlockManager(BlockManager):
         done = (seq.num_cached_tokens + seq.num_scheduled_tokens) // self.block_size
         for block_id in seq.block_table[seq.num_cached_tokens // self.block_size:done]:
             self.computed[block_id] = True
+            self.wanted.discard(block_id)
             h = self.blocks[block_id].hash
             if h != -1 and not self.computed[self.hash_to_block_id.get(h, block_id)]:
                 self.hash_to_block_id[h] = block_id
@@ -161,7 +188,7 @@ class HybridScheduler(Scheduler):
             if seq.num_scheduled_tokens > 1:
                 start = seq.num_cached_tokens
                 end = chunk_end(start, start + seq.num_scheduled_tokens, seq.num_tokens, bm.block_size,
-                                bm.shared_tokens.get(seq.seq_id, 0))
+                                bm.branch_point(seq))
                 seq.num_scheduled_tokens = end - start
         return batch
 
