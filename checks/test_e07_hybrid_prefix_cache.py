@@ -342,6 +342,33 @@ def test_multiturn_qwen3_5_moe():
     _multiturn("qwen3_5_moe_text")
 
 
+@point("同一步到达、共享 system prompt 的请求：system prompt 只算一遍——第 1 条在分叉点停下拍快照，其余等一步后都从那里恢复；输出与关闭缓存一致")
+def test_shared_prompt_computed_once():
+    e05 = impl("e05_engine")
+    m = impl(MODULE)
+    r = Rand()
+    folder, _ = _model("qwen3_5_text", r.seed)
+    bs = r.choice([2, 4])
+    system = r.randint(1, 64, (r.int(3 * bs, 5 * bs),)).tolist()
+    firsts = r.py.sample(range(1, 64), 3)                  # distinct first message tokens: the prompts part at len(system)
+    prompts = [system + [f] + r.randint(1, 64, (r.int(0, 2 * bs),)).tolist() for f in firsts]
+    shared = len(system) // bs * bs                       # the branch point: the last boundary inside the system prompt
+    kw = dict(block_size=bs, max_num_seqs=4, max_num_batched_tokens=256)
+    llm = e05.LLM(str(folder), enable_prefix_caching=True, **kw)
+    outs = [o.token_ids for o in llm.generate(prompts, _greedy())]
+    off = [o.token_ids for o in e05.LLM(str(folder), enable_prefix_caching=False, **kw).generate(prompts, _greedy())]
+    assert outs == off, f"共享 system prompt 的 3 条请求，打开缓存得到 {outs}，关闭缓存得到 {off}；{r}"
+    stats = llm.stats
+    if stats["snapshot_hits"] < 2 or stats["prefill_tokens_saved"] < 2 * shared:
+        msg = (f"3 条请求同一步到达、共享 {len(system)} 个 token 的 system prompt（block_size {bs}）：第 1 条应在分叉点 "
+               f"{shared} 停下拍快照，第 2、3 条等这一步算完后从那里恢复，共省 {2 * shared} 个 prefill token；实际 "
+               f"{stats['snapshot_hits']} 次恢复、省 {stats['prefill_tokens_saved']}（stats={stats}）；{r}")
+        n = len(prompts[0])
+        if m.chunk_end(0, n, n, bs, shared) != shared:
+            msg += f"\n  看起来像易错点：{NO_BRANCH}（chunk_end(0, {n}, {n}, {bs}, {shared}) = {m.chunk_end(0, n, n, bs, shared)}）"
+        raise AssertionError(msg)
+
+
 @point("预算很小（num_state_snapshots=2）：按 LRU 逐出，快照数不超过预算，输出与关闭缓存一致")
 def test_small_budget():
     e05 = impl("e05_engine")
