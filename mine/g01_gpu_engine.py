@@ -124,6 +124,18 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     return out[:, :nq], out[:, nq:]
 
 
+@dataclass
+class MixedContext(AttentionContext):
+    """A step whose first num_decodes sequences decode one token each and the rest prefill. Its own fields describe
+    the whole batch as one prefill (what any other reader of the context sees); `decode` and `prefill` describe the
+    two parts, so that attention runs the decode kernel on the decode rows: the prefill kernel handles a one-token
+    query with a long context far slower (measured on an H200, Qwen3.5-35B-A3B, 254 decodes + one 110-token prefill:
+    36 ms in the prefill kernel against 1.1 ms in the decode kernel for 256 decodes)."""
+    decode: AttentionContext | None = None
+    prefill: AttentionContext | None = None
+    num_decodes: int = 0
+
+
 class KernelAttention(nn.Module):
     """m04's Qwen3Attention / GatedAttention with q/k norm and RoPE fused into one launch for q and k together.
 
@@ -152,7 +164,12 @@ class KernelAttention(nn.Module):
         rope = a.rotary
         q, k = qk_norm_rope(q, k.view(-1, nKV, D), a.q_norm.weight, a.k_norm.weight, a.q_norm.eps, self.gemma,
                             positions, rope.cos_sin_cache, rope.rotary_dim)
-        o = a.attn(q, k, v.view(-1, nKV, D), ctx)
+        v = v.view(-1, nKV, D)
+        if isinstance(ctx, MixedContext):        # decode rows through the decode kernel, the rest through prefill
+            d = ctx.num_decodes
+            o = torch.cat([a.attn(q[:d], k[:d], v[:d], ctx.decode), a.attn(q[d:], k[d:], v[d:], ctx.prefill)])
+        else:
+            o = a.attn(q, k, v, ctx)
         if gate is not None:
             o = o * torch.sigmoid(gate)
         return a.o_proj(o.flatten(1))
@@ -227,6 +244,8 @@ class PoolState:
     ssm: torch.Tensor       # [S, nv, dk, dv]  fp32 recurrent states, every slot
     slots: torch.Tensor     # [B] int32        slot of each sequence of the batch, -1 = padding
     decode: bool            # one token per sequence
+    num_decodes: int = 0    # a mixed step: sequences [0, num_decodes) decode one token, the rest prefill
+    prefill_cu: torch.Tensor | None = None   # [P+1] int32 cu_seqlens of the prefilling rest, from 0
 
 
 class KernelGDN(nn.Module):
@@ -245,6 +264,11 @@ class KernelGDN(nn.Module):
         dims = (g.num_k_heads, g.head_k_dim, g.head_v_dim)
         if state.decode:
             o = gdn_decode(*args, state.conv, state.ssm, state.slots, *dims)
+        elif state.num_decodes:          # mixed: the decode rows through gdn_decode (one chunk per token is slow)
+            d, rest = state.num_decodes, args[3:]
+            o = torch.cat([gdn_decode(mixed[:d], a[:d], b[:d], *rest, state.conv, state.ssm, state.slots[:d], *dims),
+                           gdn_prefill(mixed[d:], a[d:], b[d:], *rest, state.prefill_cu, state.conv, state.ssm,
+                                       state.slots[d:], *dims)])
         else:
             o = gdn_prefill(*args, cu_seqlens, state.conv, state.ssm, state.slots, *dims)
         o = g.norm(o.reshape(-1, g.head_v_dim), z.reshape(-1, g.head_v_dim))
@@ -414,11 +438,12 @@ class GPUModelRunner(ModelRunner):
                 pool.allocate(s)
         return [pool.slot_of[s.seq_id] for s in seqs]
 
-    def _states(self, slots: torch.Tensor, decode: bool) -> dict[int, PoolState] | None:
+    def _states(self, slots: torch.Tensor, decode: bool, num_decodes: int = 0,
+                prefill_cu: torch.Tensor | None = None) -> dict[int, PoolState] | None:
         if self.gdn_pool is None:
             return None
         p = self.gdn_pool
-        return {i: PoolState(p.conv[i], p.ssm[i], slots, decode) for i in p.conv}
+        return {i: PoolState(p.conv[i], p.ssm[i], slots, decode, num_decodes, prefill_cu) for i in p.conv}
 
     # ------------------------------------------------------------------ CUDA graphs
     @torch.inference_mode()
@@ -495,11 +520,32 @@ class GPUModelRunner(ModelRunner):
         arrays = self._prefill_inputs(seqs)
         table_shape, max_q, max_k = arrays[5].shape, int((arrays[2][1:] - arrays[2][:-1]).max()), int(arrays[6].max())
         ids, pos, cu_q, cu_k, slots, tables, lens, gdn_dev = self._stage(arrays)
-        dctx = AttentionContext(cu_seqlens_q=cu_q.int(), cu_seqlens_k=cu_k.int(), max_seqlen_q=max_q,
-                                max_seqlen_k=max_k, slot_mapping=slots, block_tables=tables.view(table_shape).int(),
-                                context_lens=lens.int(), is_prefill=True)
-        hidden = self.model(ids, pos, dctx, self._states(gdn_dev.int(), decode=False))
+        whole = dict(cu_seqlens_q=cu_q.int(), cu_seqlens_k=cu_k.int(), max_seqlen_q=max_q, max_seqlen_k=max_k,
+                     slot_mapping=slots, block_tables=tables.view(table_shape).int(), context_lens=lens.int())
+        ones = arrays[2][1:] - arrays[2][:-1] == 1
+        d = 0 if ones.all() else int(ones.argmin())                    # leading one-token rows: the decodes
+        if d == 0:
+            dctx, states = AttentionContext(**whole, is_prefill=True), self._states(gdn_dev.int(), decode=False)
+        else:                  # a mixed step: the decode rows keep the decode kernels (e03 schedules them first)
+            dctx, states = self._mixed(whole, d, arrays, gdn_dev.int())
+        hidden = self.model(ids, pos, dctx, states)
         return hidden, (cu_q[1:] - 1)
+
+    def _mixed(self, whole: dict, d: int, arrays: list[np.ndarray], gdn: torch.Tensor):
+        """The context and GDN states of a step whose first d sequences decode: views of the whole batch's tensors."""
+        cu_q, cu_k, lens = whole["cu_seqlens_q"], whole["cu_seqlens_k"], whole["context_lens"]
+        tables, slots = whole["block_tables"], whole["slot_mapping"]
+        host_q, host_lens = arrays[2], arrays[6]
+        decode = AttentionContext(cu_seqlens_q=cu_q[:d + 1], cu_seqlens_k=None, max_seqlen_q=1,
+                                  max_seqlen_k=int(host_lens[:d].max()), slot_mapping=slots[:d],
+                                  block_tables=tables[:d], context_lens=lens[:d], is_prefill=False)
+        prefill_cu = cu_q[d:] - d
+        prefill = AttentionContext(cu_seqlens_q=prefill_cu, cu_seqlens_k=cu_k[d:] - cu_k[d],
+                                   max_seqlen_q=int((host_q[d + 1:] - host_q[d:-1]).max()),
+                                   max_seqlen_k=int(host_lens[d:].max()), slot_mapping=slots[d:],
+                                   block_tables=tables[d:], context_lens=lens[d:], is_prefill=True)
+        ctx = MixedContext(**whole, is_prefill=True, decode=decode, prefill=prefill, num_decodes=d)
+        return ctx, self._states(gdn, decode=False, num_decodes=d, prefill_cu=prefill_cu)
 
 
 # ----------------------------------------------------------------------------- the engine

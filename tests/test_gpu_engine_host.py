@@ -4,6 +4,9 @@
   with prefix-cache hits, chunked prefills and decodes mixed in, at several block sizes.
 - qk_norm_rope (q and k heads of a token in one program) and _silu_mul_kernel, run in Triton's interpreter, against
   m01's RMSNorm + m02's RotaryEmbedding and F.silu(gate) * up: one token and many, plain and gated q, (1+w) norm.
+- GPUModelRunner's eager step in the interpreter, inside e05's engine: steps that mix decodes with prefills (the
+  decode rows through the decode kernels, MixedContext) give e05's CPU outputs token for token, for a dense, a MoE
+  and a hybrid family, with prefix caching (and GDN snapshots) on.
 """
 
 from __future__ import annotations
@@ -92,3 +95,47 @@ def test_fused_kernels_match_torch_in_the_interpreter():
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(SCRIPT)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
+
+
+MIXED = """
+import random, tempfile
+from pathlib import Path
+import torch
+_zeros = torch.zeros
+torch.zeros = lambda *a, **k: _zeros(*a, **{n: v for n, v in k.items() if n != "pin_memory"})   # no pinned memory here
+from course.grader import select
+from checks import hf_models
+from checks.kit import Rand
+e01, e05, g01 = (select.load(m) for m in ("e01_sampling", "e05_engine", "g01_gpu_engine"))
+for family in ("qwen3", "qwen3_moe", "qwen3_5_moe_text"):
+    r = Rand(3)
+    hf = hf_models.hf_model(family, hf_models.tiny_config(family, r, vocab=64, layers=2), r)
+    folder = Path(tempfile.mkdtemp(prefix="course-mixed-"))
+    hf_models.save_hf(hf, folder)
+    kw = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=24, enable_prefix_caching=True)
+    rng = random.Random(0)
+    system = [rng.randrange(1, 64) for _ in range(9)]
+    prompts = [system + [rng.randrange(1, 64) for _ in range(rng.randint(1, 12))] for _ in range(7)]
+    params = e01.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    want = [o.token_ids for o in e05.LLM(str(folder), **kw).generate(prompts, params)]
+    llm = e05.LLM(str(folder), **kw)
+    wrapped = hasattr(llm.runner, "state_cache")
+    gpu = g01.GPUModelRunner(llm.model, 4, 4, llm.config.max_model_len, 24, num_blocks=256, enforce_eager=True)
+    mixed, split = [], gpu._mixed
+    gpu._mixed = lambda *a: mixed.append(a[1]) or split(*a)
+    if wrapped:
+        llm.runner.runner = gpu
+    else:
+        llm.runner = gpu
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == want, (family, got, want)
+    assert mixed, f"{family}: no step mixed decodes with a prefill"
+print("OK")
+"""
+
+
+def test_mixed_steps_match_cpu_engine_in_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", COURSE_SELECTION='{"default": "solutions"}')
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(MIXED)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
