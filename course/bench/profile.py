@@ -173,13 +173,17 @@ def profile_steps(args, prompts, out_lens, say) -> int:
                             SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1))
         join()
         llm.step()                                       # the first one unprofiled: Triton compiles outside
+        mixed_plain = []
+        for _ in range(2):                               # two more timed plainly (the numbers to quote)
+            join()
+            mixed_plain.append(_timed_step(llm)[0])
         join()
         decodes = sum(s.num_tokens - s.num_cached_tokens == 1 for s in llm.scheduler.running)
         prof, wall = _profiled(llm.step)
         report["mixed"] = _split(prof, wall)
-        report["mixed"]["decodes"] = decodes
+        report["mixed"]["decodes"], report["mixed"]["plain_ms"] = decodes, mixed_plain
         _say_split(f"mixed step: {decodes} decodes + one 110-token prefill (eager, no CUDA graph)", report["mixed"],
-                   [], say)
+                   mixed_plain, say)
     say(f"Triton compiles during the profiled steps: {len(compiled)}"
         + (f" ({', '.join(sorted(set(compiled)))})" if compiled else ""))
     report["triton_compiles"] = compiled
