@@ -36,6 +36,8 @@ L2_EPS = "l2norm 的 eps 放错了位置：应为 x·rsqrt(Σx² + 1e-6)（eps �
 Q_SCALE = "q 没有乘 dk^-0.5（在 l2norm 之后缩放）"
 HEAD_MAP = "value 头到 key 头的映射错了：value 头 hv 读 key 头 hv // (nv/nk)（repeat_interleave），不是 hv % nk"
 CONV_SHIFT = "conv_state 滑窗错了：decode 之后应保存含新 token 在内的最后 K−1 个输入（丢掉最旧的一个）"
+CHUNKS_MISUSED = ("gdn_prefill 没有照原样使用传入的 chunks：它就是 _chunk_table(cu_seqlens) 的 (seq, start)，"
+                  "传入时用它代替自己算的块表，其余一切照旧")
 SLOT_WRITTEN = "slot −1（padding 行）也读写了池：这一行的 conv_state 与递推状态都不能碰（被夹到 slot 0 或写到池外）"
 CHUNK_BOUNDARY = ("变长序列的块边界错了：每条序列从自己的起点 cu_seqlens[i] 开始每 64 个 token 分一块，"
                   "不能按打包张量的全局 64 对齐（块会跨进上一条序列）")
@@ -157,9 +159,20 @@ def _oracle_prefill(m5, inp: dict, cu: torch.Tensor, conv: torch.Tensor, ssm: to
     return o, conv, ssm
 
 
-def _call(fn, inp: dict, *args, s: dict):
+def _call(fn, inp: dict, *args, s: dict, **kwargs):
     return fn(inp["mixed"], inp["a"], inp["b"], inp["weight"], inp["A_log"], inp["dt_bias"], *args,
-              s["nk"], s["dk"], s["dv"])
+              s["nk"], s["dk"], s["dv"], **kwargs)
+
+
+def _chunk_table_of(lengths: list[int], chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence id, first token) of every chunk, int32 on the device: what g01 passes as gdn_prefill(chunks=...)."""
+    seq, start, t = [], [], 0
+    for i, n in enumerate(lengths):
+        for c in range(0, n, chunk):
+            seq.append(i)
+            start.append(t + c)
+        t += n
+    return (torch.tensor(seq, dtype=torch.int32, device=DEVICE), torch.tensor(start, dtype=torch.int32, device=DEVICE))
 
 
 def _cu(lengths: list[int]) -> torch.Tensor:
@@ -380,6 +393,13 @@ def test_prefill_matches_m05():
         rest = torch.ones(num_slots, dtype=torch.bool)
         rest[idx.cpu()] = False
         _same(ssm_pool[rest.to(DEVICE)], before[1][rest.to(DEVICE)], what="不在 slots 里的池行", mistake=SLOT_WRITTEN, rand=r)
+        # the engine hands over the chunk table it built on the host: the same call with chunks= gives the same result
+        conv_again, ssm_again = before[0].clone(), before[1].clone()
+        o_again = _call(m.gdn_prefill, inp, cu, conv_again, ssm_again, slots, s=s, chunks=_chunk_table_of(lengths))
+        for name, got, want in (("输出 o", o_again, o), ("写回池的递推状态", ssm_again, ssm_pool)):
+            if not torch.equal(got.cpu(), want.cpu()):
+                raise AssertionError(f"{what}：传入 chunks=（引擎在 host 上算好的块表，等于 _chunk_table(cu_seqlens)）时"
+                                     f"{name}与不传时不同；{r}\n  看起来像易错点：{CHUNKS_MISUSED}")
 
 
 def _hf_layer(r: Rand):

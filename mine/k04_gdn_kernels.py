@@ -143,9 +143,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, cu_seqlens=None
 
 
 def gdn_prefill(mixed_qkv, a, b, conv_weight, A_log, dt_bias, cu_seqlens, conv_pool, ssm_pool, slots,
-                num_k_heads, head_k_dim, head_v_dim):
+                num_k_heads, head_k_dim, head_v_dim, chunks=None):
     """Packed varlen prefill of one GDN layer from the pools' states at slots [B]; final states written back.
-    mixed_qkv [N, C] -> o [N, nv, dv] (m05's rule output, before the gated norm)."""
+    mixed_qkv [N, C] -> o [N, nv, dv] (m05's rule output, before the gated norm).
+    chunks: the (seq, start) int32 table _chunk_table(cu_seqlens) would return, when the caller has it already (the
+    engine builds it once per step on the host: no host sync in any layer); None: built here."""
     raise NotImplementedError("k04: 请实现 gdn_prefill（见 lessons/k04_gdn_kernels.md）")
 
 

@@ -44,7 +44,7 @@ from .e07_hybrid_prefix_cache import HybridBlockManager, HybridScheduler, Snapsh
 from .k01_triton_basics import add_rms_norm
 from .k02_paged_attention import TritonPagedAttention
 from .k03_fused_moe import fused_moe_forward
-from .k04_gdn_kernels import gdn_decode, gdn_prefill
+from .k04_gdn_kernels import CHUNK, gdn_decode, gdn_prefill
 from .m01_rmsnorm import GemmaRMSNorm, RMSNorm
 from .m03_sparse_moe import MoEWeights, SharedExpert
 from .m04_attention import AttentionContext, GatedAttention
@@ -246,6 +246,7 @@ class PoolState:
     decode: bool            # one token per sequence
     num_decodes: int = 0    # a mixed step: sequences [0, num_decodes) decode one token, the rest prefill
     prefill_cu: torch.Tensor | None = None   # [P+1] int32 cu_seqlens of the prefilling rest, from 0
+    chunks: tuple[torch.Tensor, torch.Tensor] | None = None   # k04's chunk table of the prefill rows, built on the host
 
 
 class KernelGDN(nn.Module):
@@ -268,9 +269,9 @@ class KernelGDN(nn.Module):
             d, rest = state.num_decodes, args[3:]
             o = torch.cat([gdn_decode(mixed[:d], a[:d], b[:d], *rest, state.conv, state.ssm, state.slots[:d], *dims),
                            gdn_prefill(mixed[d:], a[d:], b[d:], *rest, state.prefill_cu, state.conv, state.ssm,
-                                       state.slots[d:], *dims)])
+                                       state.slots[d:], *dims, chunks=state.chunks)])
         else:
-            o = gdn_prefill(*args, cu_seqlens, state.conv, state.ssm, state.slots, *dims)
+            o = gdn_prefill(*args, cu_seqlens, state.conv, state.ssm, state.slots, *dims, chunks=state.chunks)
         o = g.norm(o.reshape(-1, g.head_v_dim), z.reshape(-1, g.head_v_dim))
         return g.out_proj(o.reshape(hidden_states.shape[0], g.value_dim))
 
@@ -424,7 +425,8 @@ class GPUModelRunner(ModelRunner):
         self.last_was_decode = False
         # one pinned staging buffer: [ids | positions | slots | context_lens | gdn_slots | block tables]
         width = 5 + self.max_blocks_per_seq
-        self.host = torch.zeros(max(max_num_batched_tokens, max_num_seqs) * width + 4 * max_num_seqs + 8,
+        self.host = torch.zeros(max(max_num_batched_tokens, max_num_seqs) * width + 4 * max_num_seqs + 8
+                                + 2 * (max_num_batched_tokens // CHUNK + max_num_seqs),         # the chunk table
                                 dtype=torch.int64, pin_memory=True)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if not enforce_eager:
@@ -500,12 +502,12 @@ class GPUModelRunner(ModelRunner):
                 pool.allocate(s)
         return [pool.slot_of[s.seq_id] for s in seqs]
 
-    def _states(self, slots: torch.Tensor, decode: bool, num_decodes: int = 0,
-                prefill_cu: torch.Tensor | None = None) -> dict[int, PoolState] | None:
+    def _states(self, slots: torch.Tensor, decode: bool, num_decodes: int = 0, prefill_cu: torch.Tensor | None = None,
+                chunks: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[int, PoolState] | None:
         if self.gdn_pool is None:
             return None
         p = self.gdn_pool
-        return {i: PoolState(p.conv[i], p.ssm[i], slots, decode, num_decodes, prefill_cu) for i in p.conv}
+        return {i: PoolState(p.conv[i], p.ssm[i], slots, decode, num_decodes, prefill_cu, chunks) for i in p.conv}
 
     # ------------------------------------------------------------------ CUDA graphs
     @torch.inference_mode()
@@ -627,24 +629,28 @@ class GPUModelRunner(ModelRunner):
 
     def _run_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         arrays = self._prefill_inputs(seqs)
-        table_shape, max_q, max_k = arrays[5].shape, int((arrays[2][1:] - arrays[2][:-1]).max()), int(arrays[6].max())
-        ids, pos, cu_q, cu_k, slots, tables, lens, gdn_dev = self._stage(arrays)
+        host_q, host_lens = arrays[2], arrays[6]
+        table_shape, max_q, max_k = arrays[5].shape, int((host_q[1:] - host_q[:-1]).max()), int(host_lens.max())
+        ones = host_q[1:] - host_q[:-1] == 1
+        d = 0 if ones.all() else int(ones.argmin())                    # leading one-token rows: the decodes
+        gdn = self.gdn_pool is not None
+        chunk_arrays = list(chunk_table(host_q[d:] - host_q[d])) if gdn else []   # of the prefill rows
+        ids, pos, cu_q, cu_k, slots, tables, lens, gdn_dev, *chunks = self._stage(arrays + chunk_arrays)
+        chunks = tuple(t.int() for t in chunks) or None
         whole = dict(cu_seqlens_q=cu_q.int(), cu_seqlens_k=cu_k.int(), max_seqlen_q=max_q, max_seqlen_k=max_k,
                      slot_mapping=slots, block_tables=tables.view(table_shape).int(), context_lens=lens.int())
-        ones = arrays[2][1:] - arrays[2][:-1] == 1
-        d = 0 if ones.all() else int(ones.argmin())                    # leading one-token rows: the decodes
         if d == 0:
-            dctx, states = AttentionContext(**whole, is_prefill=True), self._states(gdn_dev.int(), decode=False)
+            dctx = AttentionContext(**whole, is_prefill=True)
+            states = self._states(gdn_dev.int(), decode=False, chunks=chunks)
         else:                  # a mixed step: the decode rows keep the decode kernels (e03 schedules them first)
-            dctx, states = self._mixed(whole, d, arrays, gdn_dev.int())
+            dctx, states = self._mixed(whole, d, host_q, host_lens, gdn_dev.int(), chunks)
         hidden = self.model(ids, pos, dctx, states)
         return hidden, (cu_q[1:] - 1)
 
-    def _mixed(self, whole: dict, d: int, arrays: list[np.ndarray], gdn: torch.Tensor):
+    def _mixed(self, whole: dict, d: int, host_q: np.ndarray, host_lens: np.ndarray, gdn: torch.Tensor, chunks):
         """The context and GDN states of a step whose first d sequences decode: views of the whole batch's tensors."""
         cu_q, cu_k, lens = whole["cu_seqlens_q"], whole["cu_seqlens_k"], whole["context_lens"]
         tables, slots = whole["block_tables"], whole["slot_mapping"]
-        host_q, host_lens = arrays[2], arrays[6]
         decode = AttentionContext(cu_seqlens_q=cu_q[:d + 1], cu_seqlens_k=None, max_seqlen_q=1,
                                   max_seqlen_k=int(host_lens[:d].max()), slot_mapping=slots[:d],
                                   block_tables=tables[:d], context_lens=lens[:d], is_prefill=False)
@@ -654,7 +660,17 @@ class GPUModelRunner(ModelRunner):
                                    max_seqlen_k=int(host_lens[d:].max()), slot_mapping=slots[d:],
                                    block_tables=tables[d:], context_lens=lens[d:], is_prefill=True)
         ctx = MixedContext(**whole, is_prefill=True, decode=decode, prefill=prefill, num_decodes=d)
-        return ctx, self._states(gdn, decode=False, num_decodes=d, prefill_cu=prefill_cu)
+        return ctx, self._states(gdn, decode=False, num_decodes=d, prefill_cu=prefill_cu, chunks=chunks)
+
+
+def chunk_table(cu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """k04's _chunk_table in numpy, from the cu_seqlens the host already has: (sequence id, first token) of every
+    CHUNK-token chunk. Built once per step and handed to every GDN layer, no layer waits for the GPU to count chunks
+    (k04 alone would sync once per GDN layer: 30 times a step for Qwen3.5-35B-A3B)."""
+    counts = (cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK
+    seq = np.repeat(np.arange(len(counts)), counts)
+    first = np.cumsum(counts) - counts
+    return seq, cu[:-1][seq] + (np.arange(len(seq)) - first[seq]) * CHUNK
 
 
 # ----------------------------------------------------------------------------- the engine

@@ -6,7 +6,7 @@
   m01's RMSNorm + m02's RotaryEmbedding and F.silu(gate) * up: one token and many, plain and gated q, (1+w) norm.
 - GPUModelRunner's eager step in the interpreter, inside e05's engine: steps that mix decodes with prefills (the
   decode rows through the decode kernels, MixedContext) give e05's CPU outputs token for token, for a dense, a MoE
-  and a hybrid family, with prefix caching (and GDN snapshots) on.
+  and a hybrid family, with prefix caching (and GDN snapshots) on; g01's host chunk table equals k04's _chunk_table.
 """
 
 from __future__ import annotations
@@ -139,3 +139,16 @@ def test_mixed_steps_match_cpu_engine_in_the_interpreter():
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(MIXED)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_host_chunk_table_matches_k04():
+    import torch
+    from solutions.g01_gpu_engine import chunk_table
+    from solutions.k04_gdn_kernels import _chunk_table
+    rnd = random.Random(0)
+    for lengths in ([1], [64], [65], [1, 1, 1], [130, 1, 64, 200, 63]) + tuple(
+            [rnd.randint(1, 300) for _ in range(rnd.randint(1, 12))] for _ in range(20)):
+        cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        seq, start = chunk_table(cu)
+        want_seq, want_start = _chunk_table(torch.from_numpy(cu).int())
+        assert seq.tolist() == want_seq.tolist() and start.tolist() == want_start.tolist(), lengths
