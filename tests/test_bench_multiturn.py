@@ -12,7 +12,8 @@ def test_multiturn_bench_smoke(tmp_path):
     env = dict(os.environ, COURSE_STATE_DIR=str(tmp_path / "state"), OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-m", "course", "bench", "--workload", "multiturn", "--device", "cpu",
                           "--conversations", "3", "--turns", "2", "--system-len", "40", "--message-len", "8",
-                          "--answer-len", "4", "--fixed-answers"], cwd=select.ROOT, capture_output=True, text=True, env=env, timeout=300)
+                          "--answer-len", "4", "--fixed-answers", "--repeats", "2"], cwd=select.ROOT, capture_output=True,
+                         text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     line = next(l for l in out.stdout.splitlines() if l.startswith("BENCH_JSON "))
     result = json.loads(line.split(" ", 1)[1])
@@ -22,6 +23,11 @@ def test_multiturn_bench_smoke(tmp_path):
     assert on["snapshot_hits"] >= 3 and on["prefill_computed"] < off["prefill_computed"], result
     assert "prefill tokens computed" in out.stdout and "mean TTFT" in out.stdout
     assert off["triton_compiles_in_timed_run"] == on["triton_compiles_in_timed_run"] == 0
+    # --repeats 2: a second timed run per engine with its own tokens; nothing the first one cached is hit by it
+    runs = [json.loads(l.split(" ", 1)[1]) for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+    assert [(r["caching"], r["seed"]) for r in runs] == [(False, 0), (False, 2), (True, 0), (True, 2)], runs
+    assert runs[3]["prefill_computed"] == runs[2]["prefill_computed"] and runs[3]["snapshot_hits"] == runs[2]["snapshot_hits"]
+    assert [r["seed"] for r in result["runs"]] == [0, 2] and "median of 2 runs" in out.stdout
 
 
 def test_answer_lengths_vary_unless_fixed():

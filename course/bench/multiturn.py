@@ -14,6 +14,9 @@ starts each engine runs the same workload with other tokens, so that no Triton k
 timed run (the count of compiles seen there is reported, and must be 0). Reported per run: prompt tokens,
 prefill tokens computed (prompt tokens the model actually ran), snapshot hits, mean / p50 / p90 / per-turn
 time to first token (from submitting a turn to its first token), output tokens per second, wall time.
+--repeats N: each engine runs the timed workload N times (after its one warm-up), each time with other tokens
+(seeds 0, 2, 3, ...: nothing one run cached is hit by the next); the ratios are printed per run, and the median
+of the per-run ratios is the result line.
 """
 
 from __future__ import annotations
@@ -141,7 +144,14 @@ def build(args, caching: bool):
     return llm, select.load("e01_sampling").SamplingParams, report
 
 
-def measure(args, caching: bool) -> dict:
+def repeat_seeds(repeats: int) -> list[int]:
+    """The token seeds of the timed runs: 0, then 2, 3, ... (1 is the warm-up's). Each run has its own tokens, so a
+    later run never hits what an earlier one cached; run i has the same tokens and answer lengths with caching off
+    and on."""
+    return [0] + list(range(2, repeats + 1))
+
+
+def measure(args, caching: bool) -> list[dict]:
     import gc
     from .engine import watch_compiles
     llm, SamplingParams, report = build(args, caching)
@@ -149,12 +159,16 @@ def measure(args, caching: bool) -> dict:
     # same workload with other tokens walks every path and shape first - prefill from zero and from a
     # snapshot, chunks of every size class, decode graphs
     run_chats(llm, SamplingParams, args, caching, seed=1)
-    with watch_compiles() as compiled:
-        result = run_chats(llm, SamplingParams, args, caching)
-    result["triton_compiles_in_timed_run"] = len(compiled)
-    result["compiled"] = sorted(set(compiled))
-    result["engine files"] = ", ".join(path for _, path in report)
-    print("RESULT", json.dumps(result), flush=True)
+    results = []
+    for seed in repeat_seeds(args.repeats):
+        with watch_compiles() as compiled:
+            result = run_chats(llm, SamplingParams, args, caching, seed=seed)
+        result["seed"] = seed
+        result["triton_compiles_in_timed_run"] = len(compiled)
+        result["compiled"] = sorted(set(compiled))
+        result["engine files"] = ", ".join(path for _, path in report)
+        print("RESULT", json.dumps(result), flush=True)
+        results.append(result)
     if hasattr(llm, "close"):
         llm.close()
     del llm
@@ -162,7 +176,7 @@ def measure(args, caching: bool) -> dict:
     if args.device == "cuda":
         import torch
         torch.cuda.empty_cache()
-    return result
+    return results
 
 
 def main(argv: list[str], say) -> int:
@@ -179,8 +193,13 @@ def main(argv: list[str], say) -> int:
     p.add_argument("--fixed-answers", action="store_true",
                    help="every answer exactly --answer-len tokens (then the chats run in lockstep: every chat ends "
                         "each turn in the same step and all next turns arrive at once)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed runs per engine, each with its own tokens (the H200's run-to-run spread of the mean TTFT "
+                        "is tens of ms): the ratios are printed per run and their median is the result")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
     import torch
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -192,7 +211,8 @@ def main(argv: list[str], say) -> int:
     longest = args.system_len + args.turns * (args.message_len + args.answer_len + args.answer_len // 2)
     args.max_model_len = args.max_model_len or longest + 64
     args.vocab = 151936 if args.device == "cuda" else 512
-    results = [measure(args, caching=False), measure(args, caching=True)]
+    runs = list(zip(measure(args, caching=False), measure(args, caching=True)))
+    results = list(runs[0])
     from rich.table import Table
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU, tiny dummy Qwen3.5-MoE"
     table = Table(title=f"multiturn: {args.conversations} chats × {args.turns} turns, system prompt {args.system_len}, "
@@ -206,17 +226,24 @@ def main(argv: list[str], say) -> int:
                       str(r["snapshot_hits"]), f"{r['mean_ttft_ms']:.1f}", f"{r['p50_ttft_ms']:.1f}",
                       f"{r['p90_ttft_ms']:.1f}", f"{r['tok_per_s']:.0f}", f"{r['seconds']:.2f}")
     say(table)
+    per_run = [dict(seed=off["seed"], prefill_ratio=off["prefill_computed"] / max(on["prefill_computed"], 1),
+                    ttft_ratio=off["mean_ttft_ms"] / max(on["mean_ttft_ms"], 1e-9),
+                    tok_s_ratio=on["tok_per_s"] / max(off["tok_per_s"], 1e-9)) for off, on in runs]
+    for (off, on), ratios in zip(runs, per_run):
+        if len(runs) > 1:
+            say(f"run with seed {ratios['seed']}: mean TTFT off {off['mean_ttft_ms']:.1f} ms, on {on['mean_ttft_ms']:.1f} ms "
+                f"({ratios['ttft_ratio']:.2f}×); prefill {ratios['prefill_ratio']:.2f}× fewer")
+        say(f"mean TTFT by turn (ms): off {off['mean_ttft_ms_by_turn']}, on {on['mean_ttft_ms_by_turn']}")
+    fewer, faster, tok_s = (statistics.median(r[k] for r in per_run) for k in ("prefill_ratio", "ttft_ratio", "tok_s_ratio"))
+    median = f"median of {len(runs)} runs: " if len(runs) > 1 else ""
+    say(f"{median}prefill tokens computed: {fewer:.2f}× fewer with hybrid prefix caching (target ≥ 3×); "
+        f"mean TTFT {faster:.2f}× lower (target ≥ 2×); output tok/s {tok_s:.2f}×")
     off, on = results
-    fewer = off["prefill_computed"] / max(on["prefill_computed"], 1)
-    faster = off["mean_ttft_ms"] / max(on["mean_ttft_ms"], 1e-9)
-    say(f"prefill tokens computed: {fewer:.2f}× fewer with hybrid prefix caching (target ≥ 3×); "
-        f"mean TTFT {faster:.2f}× lower (target ≥ 2×); output tok/s {on['tok_per_s'] / max(off['tok_per_s'], 1e-9):.2f}×")
-    say(f"mean TTFT by turn (ms): off {off['mean_ttft_ms_by_turn']}, on {on['mean_ttft_ms_by_turn']}")
-    compiles = off["triton_compiles_in_timed_run"] + on["triton_compiles_in_timed_run"]
+    compiles = sum(r["triton_compiles_in_timed_run"] for run in runs for r in run)
     if compiles:
         say(f"[yellow]计时期间 Triton 编译了 {compiles} 次（每次 0.1–1 s，不是引擎的工作）：这次的 TTFT 不可信[/]")
     say(f"engine files: {on['engine files']}")
-    line = json.dumps(dict(off=off, on=on, prefill_ratio=fewer, ttft_ratio=faster))
+    line = json.dumps(dict(off=off, on=on, prefill_ratio=fewer, ttft_ratio=faster, runs=per_run))
     print("BENCH_JSON " + line)
     if args.json:
         open(args.json, "w").write(line)
