@@ -2,8 +2,9 @@
 
 - GPUModelRunner._prefill_inputs (numpy) builds the same arrays as e04's prepare_batch (torch) on scheduler batches
   with prefix-cache hits, chunked prefills and decodes mixed in, at several block sizes.
-- qk_norm_rope (q and k heads of a token in one program) and _silu_mul_kernel, run in Triton's interpreter, against
-  m01's RMSNorm + m02's RotaryEmbedding and F.silu(gate) * up: one token and many, plain and gated q, (1+w) norm.
+- qk_norm_rope (q and k heads of a token in one program), _silu_mul_kernel and norm_gated, run in Triton's
+  interpreter, against m01's RMSNorm + m02's RotaryEmbedding, F.silu(gate) * up and m01's rms_norm_gated: one token
+  and many, plain and gated q, (1+w) norm (fp32: the interpreter's bf16 is unreliable).
 - GPUModelRunner's eager step in the interpreter, inside e05's engine: steps that mix decodes with prefills (the
   decode rows through the decode kernels, MixedContext) give e05's CPU outputs token for token, for a dense, a MoE
   and a hybrid family, with prefix caching (and GDN snapshots) on; g01's host chunk table equals k04's _chunk_table.
@@ -86,6 +87,14 @@ h = torch.empty(7, 1500)
 g._silu_mul_kernel[(7, 2)](gate_up, h, 7, 1500, gate_up.stride(0), h.stride(0), BLOCK=1024)
 gate, up = gate_up.chunk(2, dim=-1)
 assert (h - F.silu(gate) * up).abs().max().item() < 1e-5
+from solutions.m01_rmsnorm import rms_norm_gated
+for rows, d, dtype in ((1, 128, torch.float32), (37, 128, torch.float32), (20, 64, torch.float32), (5, 48, torch.float32)):
+    x, z = torch.randn(rows, d).to(dtype), torch.randn(rows, 2 * d).to(dtype)[:, :d]     # z: a strided view
+    w = (1 + 0.3 * torch.randn(d)).to(dtype)
+    got, want = g.norm_gated(x, z, w, 1e-6), rms_norm_gated(x, z, w, 1e-6)
+    assert got.dtype == want.dtype == dtype, (got.dtype, want.dtype)
+    err = ((got - want).abs() / (want.abs() + 1e-3)).max().item()     # fp32 only: the interpreter's bf16 is unreliable
+    assert err <= 1e-4, (rows, d, dtype, err)
 print("OK")
 """
 
