@@ -658,8 +658,9 @@ class GPUModelRunner(ModelRunner):
     def _run_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         arrays = self._prefill_inputs(seqs)
         host_q, host_lens = arrays[2], arrays[6]
-        table_shape, max_q, max_k = arrays[5].shape, int((host_q[1:] - host_q[:-1]).max()), int(host_lens.max())
-        ones = host_q[1:] - host_q[:-1] == 1
+        new = np.diff(host_q)                                          # tokens of each sequence this step
+        table_shape, max_q, max_k = arrays[5].shape, int(new.max()), int(host_lens.max())
+        ones = new == 1
         d = 0 if ones.all() else int(ones.argmin())                    # leading one-token rows: the decodes
         gdn = self.gdn_pool is not None
         chunk_arrays = list(chunk_table(host_q[d:] - host_q[d])) if gdn else []   # of the prefill rows
