@@ -291,6 +291,10 @@ def test_a_cpu_run_that_skipped_gpu_checks_is_passed_on_cpu_only(tmp_path, state
     assert Grade(k01, [row("passed"), row("skipped", "需要 GPU")]).status == "passed_cpu"
     assert Grade(k01, [row("passed"), row("skipped", "需要 2 块 GPU（这台机器有 0 块）")]).status == "passed_cpu"
     assert Grade(k01, [row("passed"), row("passed")]).status == "passed"
+    # on a one-GPU machine the tensor-parallel checks skip: that does not hold an exercise at passed_cpu
+    assert Grade(k01, [row("passed"), row("skipped", "需要 2 块 GPU（这台机器有 1 块）")]).status == "passed"
+    assert Grade(k01, [row("passed"), row("skipped", "需要 2 块 GPU（这台机器有 1 块）"),
+                       row("skipped", "需要 GPU")]).status == "passed_cpu"
     assert Grade(k01, [row("passed"), row("failed"), row("skipped", "需要 GPU")]).status == "failed"
     monkeypatch.setenv(state.STATE_DIR_ENV, state_dir["COURSE_STATE_DIR"])
     state.record("k01", "passed_cpu", k01.stub, 7, 9)

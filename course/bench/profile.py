@@ -55,10 +55,13 @@ def _split(prof, wall_ms: float) -> dict:
         elif SYNC_CALLS.search(e.name):
             syncs += 1
     by_class: dict[str, list[float]] = {}
+    other: dict[str, list[float]] = {}              # the unclassified kernels by name: what fusing would remove
     for start, end, name in kernels:
-        entry = by_class.setdefault(_classify(name), [0, 0.0])
-        entry[0] += 1
-        entry[1] += (end - start) / 1e3
+        label = _classify(name)
+        for table, key in ((by_class, label),) + (((other, name[:90]),) if label == "torch elementwise / other" else ()):
+            entry = table.setdefault(key, [0, 0.0])
+            entry[0] += 1
+            entry[1] += (end - start) / 1e3
     busy, last_end = 0.0, None
     for start, end, _ in sorted(kernels):
         if last_end is None or start >= last_end:
@@ -72,7 +75,8 @@ def _split(prof, wall_ms: float) -> dict:
                  key=lambda e: -e.self_cpu_time_total)[:10]
     return dict(wall_ms=wall_ms, kernels=len(kernels), gpu_busy_ms=busy / 1e3, gpu_span_ms=span,
                 host_syncs=syncs, by_class={k: dict(count=v[0], ms=v[1]) for k, v in by_class.items()},
-                top_cpu_ops=[(e.key, e.count, e.self_cpu_time_total / 1e3) for e in cpu])
+                top_cpu_ops=[(e.key, e.count, e.self_cpu_time_total / 1e3) for e in cpu],
+                top_other_kernels=sorted(((k, v[0], v[1]) for k, v in other.items()), key=lambda kv: -kv[2])[:12])
 
 
 def _timed_step(llm) -> tuple[float, bool]:
@@ -109,6 +113,9 @@ def _say_split(title: str, split: dict, plain_ms: list[float], say) -> None:
         f"({split['kernels']} kernels, first-to-last span {split['gpu_span_ms']:.2f} ms); "
         f"wall / GPU busy = {split['wall_ms'] / max(split['gpu_busy_ms'], 1e-9):.2f}; "
         f"host waits for the device: {split['host_syncs']}")
+    if split.get("top_other_kernels"):
+        say("torch elementwise / other, by kernel: " + "; ".join(
+            f"{name} ×{n} {ms:.2f} ms" for name, n, ms in split["top_other_kernels"][:8]))
 
 
 def profile_steps(args, prompts, out_lens, say) -> int:
