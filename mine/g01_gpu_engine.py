@@ -35,7 +35,7 @@ import triton.language as tl
 from torch import nn
 
 from .e01_sampling import Sampler, SamplingParams, make_generator
-from .e02_block_manager import BlockManager, Sequence
+from .e02_block_manager import BlockManager, Sequence, SequenceStatus, compute_block_hash
 from .e03_scheduler import Scheduler, SchedulerConfig
 from .e04_model_runner import GDNStatePool, ModelRunner
 from .e05_engine import LLM as CPULLM
@@ -379,6 +379,24 @@ class DeviceSampler(Sampler):
         raise NotImplementedError("g01: 请实现 DeviceSampler.__call__（见 lessons/g01_gpu_engine.md）")
 
 
+# ----------------------------------------------------------------------------- placeholder tokens (async scheduling)
+def use_placeholders(model: CausalLM, rows: int) -> torch.Tensor:
+    """Let the model take token ids that only the device knows yet: an id -(r + 2) is read from row r of the returned
+    [rows] int64 buffer (the tokens the previous step sampled, written there by LLM.step; -1 is left out: e03 uses
+    it as "no eos"). One buffer per model, read by a hook on its embedding, so a CUDA graph captured afterwards reads
+    it too; ids >= 0 pass unchanged."""
+    buf = getattr(model, "placeholder_tokens", None)
+    device = model.model.embed_tokens.weight.device
+    if buf is None or buf.numel() < rows or buf.device != device:
+        model.placeholder_tokens = torch.zeros(max(rows, 1), dtype=torch.int64, device=device)
+    if getattr(model, "placeholder_hook", None) is None:
+        def fill(_embedding, args):
+            ids = args[0]
+            return (torch.where(ids < 0, model.placeholder_tokens[(-2 - ids).clamp(min=0)], ids),) + args[1:]
+        model.placeholder_hook = model.model.embed_tokens.register_forward_pre_hook(fill)
+    return model.placeholder_tokens
+
+
 # ----------------------------------------------------------------------------- the runner
 def batch_buckets(max_num_seqs: int) -> list[int]:
     """Batch sizes with a captured graph: 1, 2, 4, 8, then every 16 up to max_num_seqs (always included)."""
@@ -414,11 +432,14 @@ class GPUModelRunner(ModelRunner):
         self.generators: dict[int, torch.Generator | None] = {}
         self.sampler = DeviceSampler()
         self.last_was_decode = False
-        # one pinned staging buffer: [ids | positions | slots | context_lens | gdn_slots | block tables]
+        # one pinned staging buffer: [ids | positions | slots | context_lens | gdn_slots | block tables]; two of
+        # them, used in turn by overlapped steps (LLM.step): a step writes the one whose copy finished a step ago
         width = 5 + self.max_blocks_per_seq
-        self.host = torch.zeros(max(max_num_batched_tokens, max_num_seqs) * width + 4 * max_num_seqs + 8
-                                + 2 * (max_num_batched_tokens // CHUNK + max_num_seqs),         # the chunk table
-                                dtype=torch.int64, pin_memory=True)
+        self.hosts = [torch.zeros(max(max_num_batched_tokens, max_num_seqs) * width + 4 * max_num_seqs + 8
+                                  + 2 * (max_num_batched_tokens // CHUNK + max_num_seqs),       # the chunk table
+                                  dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self.host = self.hosts[0]
+        self.placeholder_tokens = use_placeholders(model, max_num_seqs)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if not enforce_eager:
             self.capture_cudagraphs()
@@ -492,6 +513,17 @@ class GPUModelRunner(ModelRunner):
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> list[int]:
+        done, sampled = self.launch(seqs)
+        tokens = [-1] * len(seqs)
+        if done:
+            for i, token in zip(done, sampled.tolist()):                          # the step's one D2H copy
+                tokens[i] = token
+        return tokens
+
+    @torch.inference_mode()
+    def launch(self, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor | None]:
+        """One step up to the sampled tokens, without waiting for them: (the rows that sample, their tokens [len(done)]
+        on the device). run() = launch() + one .tolist(); LLM.step's overlapped decode steps take the device tensor."""
         decode = self.last_was_decode = all(s.num_scheduled_tokens == 1 for s in seqs)
         if decode:
             hidden = self._run_decode(seqs)
@@ -499,9 +531,8 @@ class GPUModelRunner(ModelRunner):
         else:
             hidden, last_rows = self._run_prefill(seqs)
         done = [i for i, s in enumerate(seqs) if s.num_cached_tokens + s.num_scheduled_tokens == s.num_tokens]
-        tokens = [-1] * len(seqs)
         if not done:
-            return tokens
+            return done, None
         if last_rows is None:                        # decode: every row samples; a list index would sync
             rows = hidden if len(done) == len(seqs) else hidden[done]
         else:
@@ -512,9 +543,7 @@ class GPUModelRunner(ModelRunner):
                 self.generators[seqs[i].seq_id] = make_generator(seqs[i].sampling_params.seed, self.device)
         sampled = self.sampler(logits, [seqs[i].sampling_params for i in done],
                                [self.generators[seqs[i].seq_id] for i in done])
-        for i, token in zip(done, sampled.tolist()):                              # the step's one D2H copy
-            tokens[i] = token
-        return tokens
+        return done, sampled
 
     def _run_decode(self, seqs: list[Sequence]) -> torch.Tensor:
         raise NotImplementedError("g01: 请实现 GPUModelRunner._run_decode（见 lessons/g01_gpu_engine.md）")
@@ -594,6 +623,16 @@ def chunk_table(cu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 # ----------------------------------------------------------------------------- the engine
+@dataclass
+class Inflight:
+    """A launched step whose tokens the host has not read yet."""
+    seqs: list[Sequence]
+    positions: list[int]            # index of each sequence's new token in its token_ids
+    host: torch.Tensor              # [len(seqs)] int64, pinned: the tokens once `event` has completed
+    event: object                   # torch.cuda.Event recorded after the copy (None on the CPU: already there)
+    finished: set[int]              # seq ids e03 finished on the counts (max_tokens, max_model_len)
+
+
 class LLM(CPULLM):
     """e05's engine with a device: `LLM(model, device="cuda")` runs GPUModelRunner, `device="cpu"` e04's runner.
 
@@ -605,7 +644,11 @@ class LLM(CPULLM):
 
     def __init__(self, model, tokenizer=None, device: str | torch.device | None = None,
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False, tensor_parallel_size: int = 1,
-                 **kwargs):
+                 async_scheduling: bool | None = None, **kwargs):
+        if async_scheduling not in (None, True, False):
+            raise ValueError(f"async_scheduling must be True, False or None, got {async_scheduling!r}")
+        self.async_scheduling = async_scheduling          # None: on where it applies (see step)
+        self.inflight: Inflight | None = None
         device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
@@ -668,6 +711,119 @@ class LLM(CPULLM):
             max_model_len=config.max_model_len, eos_token_id=-1 if eos is None else int(eos),
             enable_chunked_prefill=config.enable_chunked_prefill), self.block_manager)
         self.requests: dict[int, Sequence] = {}
+
+    # ------------------------------------------------------------------ async scheduling
+    def overlaps(self) -> bool:
+        """Can the next step be launched before this one's tokens reach the host? Only a pure decode step of a
+        GPUModelRunner at TP=1 without GDN snapshots (e07 keys snapshots by block hashes, which need the tokens),
+        with nothing waiting and no prefill in progress: then schedule() needs no token value, only counts."""
+        runner = self.runner
+        if self.async_scheduling is False or type(runner) is not GPUModelRunner:
+            return False
+        if self.async_scheduling is None and not runner.graphs:
+            return False
+        sched = self.scheduler
+        return (not sched.waiting and bool(sched.running)
+                and all(s.num_tokens - s.num_cached_tokens == 1 for s in sched.running))
+
+    def step(self) -> list[tuple[int, int, bool]]:
+        """e05's step, overlapped where overlaps() allows: schedule and launch step N+1 while the GPU still runs step
+        N, then wait for step N's tokens. Step N's sequences carry a placeholder -(row + 2) as their last token in the
+        meantime (the embedding reads the real one on the device: use_placeholders); e03 finishes them on the counts
+        (max_tokens, max_model_len), _resolve on the tokens (eos, stop tokens). Returns step N's events: one step
+        late, so the first overlapped step returns none. vLLM: async scheduling (vllm/v1/core/sched/async_scheduler.py)."""
+        if not self.overlaps():
+            return self._resolve(self.inflight) + super().step()
+        seqs = self.scheduler.schedule()
+        if self.runner.gdn_pool is not None:          # preempted hybrid sequences restart from a zero state
+            for seq in self.scheduler.waiting:
+                self.runner.release(seq)
+        previous, self.inflight = self.inflight, None
+        try:
+            if seqs:
+                self.inflight = self._launch(seqs)
+        except BaseException:
+            self._resolve(previous)                       # its tokens are real: the sequences stay consistent
+            raise
+        return self._resolve(previous)
+
+    def _launch(self, seqs: list[Sequence]) -> "Inflight":
+        runner = self.runner
+        k = self.scheduler.num_steps % 2                  # this step's staging buffers: the other ones may be in flight
+        runner.host = runner.hosts[k]
+        done, sampled = runner.launch(seqs)
+        n = len(seqs)
+        assert len(done) == n, "an overlapped step samples every row"
+        runner.placeholder_tokens[:n].copy_(sampled)      # what the next step's placeholders point at
+        if not hasattr(self, "token_hosts"):
+            pin = sampled.device.type == "cuda"
+            self.token_hosts = [torch.zeros(runner.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        host = self.token_hosts[k][:n]
+        host.copy_(sampled, non_blocking=True)
+        event = None
+        if sampled.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        positions = [s.num_tokens for s in seqs]           # where each sequence's new token goes
+        finished = self.scheduler.postprocess(seqs, [-(i + 2) for i in range(n)])
+        for seq in finished:
+            self.runner.release(seq)
+        return Inflight(seqs, positions, host, event, {s.seq_id for s in finished})
+
+    def _resolve(self, step: "Inflight | None") -> list[tuple[int, int, bool]]:
+        """Step N's tokens into its sequences (in place of the placeholders); eos / stop tokens finish them now."""
+        if step is None:
+            return []
+        self.inflight = self.inflight if self.inflight is not step else None
+        if step.event is not None:
+            step.event.synchronize()
+        events = []
+        eos = self.scheduler.config.eos_token_id
+        for seq, pos, token in zip(step.seqs, step.positions, step.host.tolist()):
+            if self.requests.get(seq.seq_id) is not seq or seq.num_tokens <= pos:
+                continue                                  # aborted, or cut off by an earlier stop token
+            seq.token_ids[pos] = token
+            if pos == seq.num_tokens - 1:
+                seq.last_token = token
+            self._rehash(seq, pos)
+            params = seq.sampling_params
+            finished = seq.seq_id in step.finished
+            if not finished and ((token == eos and not params.ignore_eos) or token in params.stop_token_ids):
+                self._stop(seq, pos)
+                finished = True
+            events.append((seq.seq_id, token, finished))
+        return events
+
+    def _rehash(self, seq: Sequence, pos: int) -> None:
+        """e02 registered the block this token filled while it was a placeholder: register it under its real hash."""
+        bm = self.block_manager
+        i = pos // bm.block_size
+        if not bm.enable_prefix_caching or (pos + 1) % bm.block_size or i >= len(seq.block_table):
+            return
+        block = bm.blocks[seq.block_table[i]]
+        if block.hash == -1 or not block.token_ids or block.token_ids[-1] >= 0:
+            return
+        tokens = seq.block(i)
+        prefix = bm.blocks[seq.block_table[i - 1]].hash if i else -1
+        bm._uncache_block(seq.block_table[i])
+        bm._cache_block(seq.block_table[i], compute_block_hash(tokens, prefix), tokens)
+
+    def _stop(self, seq: Sequence, pos: int) -> None:
+        """A stop token at pos: the tokens after it (a placeholder already scheduled) go, and so does the sequence."""
+        del seq.token_ids[pos + 1:]
+        seq.num_tokens, seq.last_token = pos + 1, seq.token_ids[pos]
+        if seq.status == SequenceStatus.FINISHED:         # e03 finished it on the counts a step later: done already
+            return
+        if seq.status == SequenceStatus.RUNNING:
+            self.scheduler.running.remove(seq)
+            self.block_manager.deallocate(seq)
+        else:                                             # preempted meanwhile: its blocks went back then
+            self.scheduler.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        self.runner.release(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.inflight is not None or super().has_unfinished()
 
     def close(self) -> None:
         """Stop the tensor-parallel workers and leave the process group (nothing to do at TP=1)."""

@@ -71,7 +71,8 @@ def build_engine(args, prompts, tp: int = 1):
     t0 = time.perf_counter()
     llm = g01.LLM(hf_config(args.model), max_num_seqs=args.max_num_seqs, max_num_batched_tokens=16384,
                   max_model_len=args.max_model_len, block_size=args.block_size, enforce_eager=args.enforce_eager,
-                  gpu_memory_utilization=0.9, tensor_parallel_size=tp)
+                  gpu_memory_utilization=0.9, tensor_parallel_size=tp,
+                  async_scheduling=False if getattr(args, "no_async_scheduling", False) else None)
     startup = time.perf_counter() - t0
     # warm-up: Triton compiles a kernel per specialisation on first use (~0.1-0.6 s each); give every path
     # one: short and long prompts, then more prompt tokens than one step takes so that a chunk continues
@@ -302,6 +303,8 @@ def main(argv: list[str], say) -> int:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="every step waits for its tokens before the next is scheduled (g01 LLM(async_scheduling=False))")
     p.add_argument("--peer", choices=["hf", "none"], default="none")
     p.add_argument("--peer-num-seqs", type=int, default=None,
                    help="a smaller shared workload for both (HF needs minutes for the full one)")
