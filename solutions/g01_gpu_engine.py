@@ -246,6 +246,7 @@ class PoolState:
     decode: bool            # one token per sequence
     num_decodes: int = 0    # a mixed step: sequences [0, num_decodes) decode one token, the rest prefill
     prefill_cu: torch.Tensor | None = None   # [P+1] int32 cu_seqlens of the prefilling rest, from 0
+    prefill_slots: torch.Tensor | None = None   # [P] int32 slots of the prefilling rest (a copy: see _mixed)
     chunks: tuple[torch.Tensor, torch.Tensor] | None = None   # k04's chunk table of the prefill rows, built on the host
 
 
@@ -297,7 +298,7 @@ class KernelGDN(nn.Module):
             d, rest = state.num_decodes, args[3:]
             o = torch.cat([gdn_decode(mixed[:d], a[:d], b[:d], *rest, state.conv, state.ssm, state.slots[:d], *dims),
                            gdn_prefill(mixed[d:], a[d:], b[d:], *rest, state.prefill_cu, state.conv, state.ssm,
-                                       state.slots[d:], *dims, chunks=state.chunks)])
+                                       state.prefill_slots, *dims, chunks=state.chunks)])
         else:
             o = gdn_prefill(*args, cu_seqlens, state.conv, state.ssm, state.slots, *dims, chunks=state.chunks)
         o = norm_gated(o.reshape(-1, g.head_v_dim), z.reshape(-1, g.head_v_dim), g.norm.weight, g.norm.eps)
@@ -552,11 +553,13 @@ class GPUModelRunner(ModelRunner):
         return [pool.slot_of[s.seq_id] for s in seqs]
 
     def _states(self, slots: torch.Tensor, decode: bool, num_decodes: int = 0, prefill_cu: torch.Tensor | None = None,
-                chunks: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[int, PoolState] | None:
+                chunks: tuple[torch.Tensor, torch.Tensor] | None = None,
+                prefill_slots: torch.Tensor | None = None) -> dict[int, PoolState] | None:
         if self.gdn_pool is None:
             return None
         p = self.gdn_pool
-        return {i: PoolState(p.conv[i], p.ssm[i], slots, decode, num_decodes, prefill_cu, chunks) for i in p.conv}
+        return {i: PoolState(p.conv[i], p.ssm[i], slots, decode, num_decodes=num_decodes, prefill_cu=prefill_cu,
+                             prefill_slots=prefill_slots, chunks=chunks) for i in p.conv}
 
     # ------------------------------------------------------------------ CUDA graphs
     @torch.inference_mode()
@@ -716,9 +719,13 @@ class GPUModelRunner(ModelRunner):
         prefill = AttentionContext(cu_seqlens_q=prefill_cu, cu_seqlens_k=cu_k[d:] - cu_k[d],
                                    max_seqlen_q=int((host_q[d + 1:] - host_q[d:-1]).max()),
                                    max_seqlen_k=int(host_lens[d:].max()), slot_mapping=slots[d:],
-                                   block_tables=tables[d:], context_lens=lens[d:], is_prefill=True)
+                                   block_tables=tables[d:].clone(), context_lens=lens[d:], is_prefill=True)
         ctx = MixedContext(**whole, is_prefill=True, decode=decode, prefill=prefill, num_decodes=d)
-        return ctx, self._states(gdn, decode=False, num_decodes=d, prefill_cu=prefill_cu, chunks=chunks)
+        # the prefill kernels get copies of the int tensors they index with, not views d rows in: a view's address
+        # is 16-byte aligned or not depending on d, and Triton compiles a kernel per alignment (seen on an H200: the
+        # first mixed step of each new alignment compiled k02's and k04's prefill kernels inside a timed run)
+        return ctx, self._states(gdn, decode=False, num_decodes=d, prefill_cu=prefill_cu, chunks=chunks,
+                                 prefill_slots=gdn[d:].clone())
 
 
 def chunk_table(cu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
