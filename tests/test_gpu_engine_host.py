@@ -8,6 +8,9 @@
 - GPUModelRunner's eager step in the interpreter, inside e05's engine: steps that mix decodes with prefills (the
   decode rows through the decode kernels, MixedContext) give e05's CPU outputs token for token, for a dense, a MoE
   and a hybrid family, with prefix caching (and GDN snapshots) on; g01's host chunk table equals k04's _chunk_table.
+- g01's async scheduling (LLM.step overlapping pure decode steps) with that eager step: e05's outputs token for token
+  under preemption, stop tokens found a step late and several max_tokens; prefix-cache blocks end up under the hashes
+  of their real tokens; an abort while a step is in flight leaves no event and no block behind.
 """
 
 from __future__ import annotations
