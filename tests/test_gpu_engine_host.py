@@ -191,6 +191,7 @@ for family, caching in (("qwen3", True), ("qwen3_moe", False), ("qwen3_5_moe_tex
         prompts, e01.SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))]
     params = [e01.SamplingParams(temperature=0.0, max_tokens=20 - i % 3, ignore_eos=True,
                                  stop_token_ids=[free[i][2 + i % 5]] if i % 2 else []) for i in range(len(prompts))]
+    params[4] = e01.SamplingParams(temperature=0.9, seed=7, max_tokens=16, ignore_eos=True)   # its own generator
     sync = e05.LLM(str(folder), **kw)
     want = [o.token_ids for o in sync.generate(prompts, params)]
     llm = g01.LLM(str(folder), device="cpu", async_scheduling=True, **kw)
