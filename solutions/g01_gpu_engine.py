@@ -754,8 +754,10 @@ class LLM(CPULLM):
 
     Extra settings: device (default CUDA when available), gpu_memory_utilization (KV cache from free memory
     when num_kvcache_blocks is None), enforce_eager (no CUDA graphs), tensor_parallel_size (one process per
-    rank, rank r on cuda:r, NCCL; gloo on the CPU: course/runtime/tp_engine.py). dtype defaults to bf16 on CUDA.
-    With tensor_parallel_size > 1, close() (or `with LLM(...) as llm:`) stops the worker processes.
+    rank, rank r on cuda:r, NCCL; gloo on the CPU: course/runtime/tp_engine.py), async_scheduling (None: pure
+    decode steps overlap the next step's host work with this step's GPU work where step() allows it; False: never).
+    dtype defaults to bf16 on CUDA. With tensor_parallel_size > 1, close() (or `with LLM(...) as llm:`) stops the
+    worker processes.
     """
 
     def __init__(self, model, tokenizer=None, device: str | torch.device | None = None,
