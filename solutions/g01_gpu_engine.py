@@ -477,6 +477,7 @@ class GPUModelRunner(ModelRunner):
                                   + 2 * (max_num_batched_tokens // CHUNK + max_num_seqs),       # the chunk table
                                   dtype=torch.int64, pin_memory=True) for _ in range(2)]
         self.host = self.hosts[0]
+        self.token_hosts = [torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)]  # D2H
         self.placeholder_tokens = use_placeholders(model, max_num_seqs)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if not enforce_eager:
@@ -851,7 +852,8 @@ class LLM(CPULLM):
         (max_tokens, max_model_len), _resolve on the tokens (eos, stop tokens). Returns step N's events: one step
         late, so the first overlapped step returns none. vLLM: async scheduling (vllm/v1/core/sched/async_scheduler.py)."""
         if not self.overlaps():
-            return self._resolve(self.inflight) + super().step()
+            previous, self.inflight = self.inflight, None
+            return self._resolve(previous) + super().step()
         seqs = self.scheduler.schedule()
         if self.runner.gdn_pool is not None:          # preempted hybrid sequences restart from a zero state
             for seq in self.scheduler.waiting:
@@ -873,10 +875,7 @@ class LLM(CPULLM):
         n = len(seqs)
         assert len(done) == n, "an overlapped step samples every row"
         runner.placeholder_tokens[:n].copy_(sampled)      # what the next step's placeholders point at
-        if not hasattr(self, "token_hosts"):
-            pin = sampled.device.type == "cuda"
-            self.token_hosts = [torch.zeros(runner.max_num_seqs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        host = self.token_hosts[k][:n]
+        host = runner.token_hosts[k][:n]
         host.copy_(sampled, non_blocking=True)
         event = None
         if sampled.device.type == "cuda":
@@ -892,7 +891,6 @@ class LLM(CPULLM):
         """Step N's tokens into its sequences (in place of the placeholders); eos / stop tokens finish them now."""
         if step is None:
             return []
-        self.inflight = self.inflight if self.inflight is not step else None
         if step.event is not None:
             step.event.synchronize()
         events = []

@@ -56,12 +56,16 @@ def _split(prof, wall_ms: float) -> dict:
             syncs += 1
     by_class: dict[str, list[float]] = {}
     other: dict[str, list[float]] = {}              # the unclassified kernels by name: what fusing would remove
+    def add(table: dict, key: str, ms: float) -> None:
+        entry = table.setdefault(key, [0, 0.0])
+        entry[0] += 1
+        entry[1] += ms
+
     for start, end, name in kernels:
         label = _classify(name)
-        for table, key in ((by_class, label),) + (((other, name[:90]),) if label == "torch elementwise / other" else ()):
-            entry = table.setdefault(key, [0, 0.0])
-            entry[0] += 1
-            entry[1] += (end - start) / 1e3
+        add(by_class, label, (end - start) / 1e3)
+        if label == "torch elementwise / other":
+            add(other, name[:90], (end - start) / 1e3)
     busy, last_end = 0.0, None
     for start, end, _ in sorted(kernels):
         if last_end is None or start >= last_end:
