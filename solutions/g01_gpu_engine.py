@@ -480,8 +480,27 @@ class GPUModelRunner(ModelRunner):
         self.token_hosts = [torch.zeros(max_num_seqs, dtype=torch.int64, pin_memory=True) for _ in range(2)]  # D2H
         self.placeholder_tokens = use_placeholders(model, max_num_seqs)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._warm_up_moe(max(max_num_batched_tokens, max_num_seqs))
         if not enforce_eager:
             self.capture_cudagraphs()
+
+    @torch.inference_mode()
+    def _warm_up_moe(self, max_tokens: int) -> None:
+        """Run one MoE layer at 1, 2, 4, ..., max_tokens tokens before serving starts. k03 picks its tile size from the
+        token count and Triton compiles a kernel per tile size (0.1-1 s each): without this, the first step of each size
+        class pays that compile while serving (seen on the H200: three k03 kernels compiled inside a timed multiturn
+        run). Each of k03's size classes (pick_block_m) spans at least a factor of 2 in tokens: the powers of 2 reach all."""
+        moe = next((layer.mlp for layer in self.model.model.layers if isinstance(layer.mlp, KernelMoE)), None)
+        if moe is None:
+            return
+        hidden = self.model.config.hidden_size
+        gen = torch.Generator(device=self.device).manual_seed(0)          # leaves torch's global RNG untouched
+        n = 1
+        while True:                                                       # .forward: no TP hooks, no collectives
+            moe.forward(torch.randn(min(n, max_tokens), hidden, generator=gen, device=self.device).to(self.dtype))
+            if n >= max_tokens:
+                break
+            n *= 2
 
     def _blocks_that_fit(self, attn_layers, max_tokens: int, utilization: float) -> int:
         """KV blocks for what is left of utilization * total memory after the weights and an activation reserve."""
