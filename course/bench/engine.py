@@ -3,6 +3,8 @@
 Workload (nano-vllm's bench.py): random.seed(0); num_seqs prompts of randint(0, 10000) token ids with lengths
 randint(100, max_input_len), then output lengths randint(100, max_output_len); temperature 0.6, ignore_eos;
 throughput = output tokens / wall time of one generate() call (after a warm-up request).
+Beside the measured decode time: the decode phase's roofline (roofline.py: the bytes it must move over the copy
+bandwidth measured in the same run).
 Models: the real architectures with dummy bf16 weights built on the GPU (no download).
 
     ./check.sh bench [--model qwen3-0.6b|qwen3-30b-a3b|qwen3.5-35b-a3b] [--num-seqs 256] [--peer hf]
@@ -139,6 +141,11 @@ def run_engine(args, prompts, out_lens, tp: int = 1) -> dict:
                 result["full_batch_decode_step_ms"] = 1e3 * sum(walls) / max(len(walls), 1)
         except Exception as exc:          # a diagnostic only: never lose the measured throughput over it
             print(f"graph_step_ms failed: {exc!r}")
+    try:                                  # what the decode roofline counts (course/bench/roofline.py)
+        from .roofline import engine_bytes
+        result["engine_bytes"] = engine_bytes(llm.model, own)
+    except Exception as exc:              # a diagnostic only, like graph_step_ms
+        print(f"engine_bytes failed: {exc!r}")
     if tp > 1:                            # what one decode step communicates, timed on its own
         text = getattr(llm.model.config, "text_config", llm.model.config)
         result.update(tp=tp, batch=min(len(prompts), args.max_num_seqs), hidden=text.hidden_size,
@@ -221,6 +228,25 @@ def time_breakdown(result: dict) -> list[str]:
                      "GPU; an overlapped decode step does not call it and waits for the previous step in 'resolve'): "
                      + ", ".join(f"{k} {v:.2f}" for k, v in host.items()))
     return lines
+
+
+def roofline_line(eng: dict, prompts, out_lens) -> str:
+    """The decode phase's bytes / the copy bandwidth measured now, beside the measured decode time (roofline.py)."""
+    from .kernels import _hbm_peak
+    from .roofline import decode_bound
+    n = eng["num_seqs"]
+    bound = eng["decode_bound"] = decode_bound(eng["engine_bytes"], [len(p) for p in prompts[:n]], out_lens[:n],
+                                               _hbm_peak())
+    tb = {k: v / 1e12 for k, v in bound["bytes"].items()}
+    decode = sum(s[0] for s in eng["timeline"] if s[2])
+    prefill = sum(s[0] for s in eng["timeline"] if not s[2])
+    moe = " (experts: the expected distinct ones under uniform routing)" if eng["engine_bytes"]["num_experts"] else ""
+    return (f"decode roofline at the copy bandwidth measured now ({bound['gb_per_s']:.0f} GB/s): K/V {tb['kv']:.2f} TB + "
+            f"weights {tb['weights']:.2f} TB{moe} + GDN states {tb['gdn']:.2f} TB + logits {tb['logits']:.2f} TB over "
+            f"{bound['steps']} steps = {bound['seconds']:.2f} s; measured decode {decode:.2f} s "
+            f"({bound['seconds'] / max(decode, 1e-9):.0%} of the bound's speed); with the measured prefill time "
+            f"({prefill:.2f} s) this workload is bounded at {eng['output_tokens'] / (bound['seconds'] + prefill):.0f} "
+            f"output tok/s")
 
 
 def graph_step_ms(llm, batch: int, context: int) -> float:
@@ -375,6 +401,11 @@ def main(argv: list[str], say) -> int:
                "the host's; --profile measures a real step's GPU time)" if "a3b" in args.model else ""))
     for line in time_breakdown(eng):
         say(line)
+    if "engine_bytes" in eng and eng["num_seqs"] <= args.max_num_seqs:     # all running at once: the bound's schedule
+        try:
+            say(roofline_line(eng, prompts, out_lens))
+        except Exception as exc:          # a diagnostic only: never lose the measured throughput over it
+            say(f"roofline failed: {exc!r}")
     if args.peer == "hf":
         ours, hf = results[-2], results[-1]
         free = (ours["free_gib_at_start"], hf["free_gib_at_start"])

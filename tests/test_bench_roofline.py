@@ -1,0 +1,80 @@
+"""course/bench/roofline.py: the byte counts read off an engine's tensors, and the decode bound summed by hand."""
+
+import pytest
+
+from course.bench.roofline import decode_bound, engine_bytes
+
+
+def _engine(config):
+    from course.grader import select
+    select.use({"default": "solutions"})
+    return select.load("e05_engine").LLM(config, num_kvcache_blocks=64, block_size=16, max_num_seqs=4,
+                                         max_num_batched_tokens=256, max_model_len=512)
+
+
+def test_engine_bytes_of_a_hybrid_moe_model():
+    from course.bench.multiturn import tiny_hybrid_config
+    cfg = tiny_hybrid_config()
+    llm = _engine(cfg)
+    sizes = engine_bytes(llm.model, llm.runner)
+    f32 = 4                                                      # the CPU engine runs fp32
+    attn_layers = sum(t == "full_attention" for t in cfg.layer_types)
+    assert sizes["kv_per_token"] == attn_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * f32
+    conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    per_layer = conv_dim * (cfg.linear_conv_kernel_dim - 1) * f32 + \
+        cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    assert sizes["gdn_per_seq"] == 2 * (len(cfg.layer_types) - attn_layers) * per_layer
+    experts = cfg.num_hidden_layers * 3 * cfg.num_experts * cfg.moe_intermediate_size * cfg.hidden_size * f32
+    assert sizes["expert_weights"] == experts
+    total = sum(p.nbytes for p in llm.model.parameters())
+    embed = llm.model.model.embed_tokens.weight.nbytes          # untied: only B rows are gathered, not read whole
+    assert sizes["dense_weights"] + experts + embed == total
+    assert (sizes["num_experts"], sizes["top_k"]) == (cfg.num_experts, cfg.num_experts_per_tok)
+    assert sizes["logits_per_seq"] == 2 * cfg.vocab_size * f32
+
+
+def test_a_tied_embedding_is_read_once_as_the_lm_head():
+    from transformers import AutoConfig
+    cfg = AutoConfig.for_model("qwen3", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
+    llm = _engine(cfg)
+    sizes = engine_bytes(llm.model, llm.runner)
+    assert sizes["dense_weights"] == sum(p.nbytes for p in llm.model.parameters())     # the table counted once
+    assert sizes["expert_weights"] == sizes["gdn_per_seq"] == sizes["num_experts"] == 0
+
+
+def test_decode_bound_sums_the_schedule():
+    sizes = dict(kv_per_token=10, gdn_per_seq=100, dense_weights=1000, expert_weights=800, num_experts=4, top_k=2,
+                 logits_per_seq=7)
+    got = decode_bound(sizes, prompt_lens=[2, 3], out_lens=[2, 4], gb_per_s=1e-9)     # 1 byte a second
+    # steps t = 1, 2, 3: both sequences at t = 1 (contexts 3 and 4), then only the second (5, then 6)
+    share = [1 - (1 - 2 / 4) ** b for b in (2, 1, 1)]
+    want = dict(kv=10 * (3 + 4 + 5 + 6), weights=3 * 1000 + 800 * sum(share), gdn=100 * 4, logits=7 * 4)
+    assert got["steps"] == 3
+    assert got["bytes"] == pytest.approx(want)
+    assert got["seconds"] == pytest.approx(sum(want.values()))
+
+
+def test_the_qwen3_0_6b_bench_workload_reads_13_9_tb_of_kv():
+    """The number §G.1 quotes: the nano-vllm workload's decode reads 13.9 TB of K/V on Qwen3-0.6B (bf16)."""
+    from course.bench.engine import workload
+    prompts, outs = workload(256, 1024, 1024)
+    kv = 28 * 2 * 8 * 128 * 2
+    got = decode_bound(dict(kv_per_token=kv, gdn_per_seq=0, dense_weights=0, expert_weights=0, num_experts=0, top_k=0,
+                            logits_per_seq=0), [len(p) for p in prompts], outs, gb_per_s=4270)
+    assert got["steps"] == max(outs) - 1
+    assert got["bytes"]["kv"] == pytest.approx(13.85e12, rel=0.01)
+    assert got["seconds"] == pytest.approx(13.85e12 / 4.27e12, rel=0.01)
+
+
+def test_the_bench_prints_the_bound_beside_the_measured_decode(monkeypatch):
+    from course.bench import engine, kernels
+    monkeypatch.setattr(kernels, "_hbm_peak", lambda: 1e-9)                      # 1 byte a second
+    sizes = dict(kv_per_token=10, gdn_per_seq=0, dense_weights=1000, expert_weights=0, num_experts=0, top_k=0,
+                 logits_per_seq=0)
+    eng = dict(num_seqs=2, engine_bytes=sizes, output_tokens=6,
+               timeline=[(500.0, 2, False), (1000.0, 2, True), (1000.0, 1, True), (1000.0, 1, True)])
+    line = engine.roofline_line(eng, [[1, 2], [1, 2, 3]], [2, 4])
+    # bound: K/V 10 * 18 + weights 3 * 1000 = 3180 s against 3000 s of measured decode; with 500 s of prefill
+    assert "= 3180.00 s; measured decode 3000.00 s (106% of the bound's speed)" in line, line
+    assert "bounded at 0 output tok/s" in line and eng["decode_bound"]["steps"] == 3
