@@ -67,11 +67,14 @@ def _copy(mine: torch.nn.Module, hf: torch.nn.Module) -> torch.nn.Module:
 
 
 def _rows(r: Rand, lead: tuple[int, ...], h: int, dtype=torch.float32) -> torch.Tensor:
-    """Random [*lead, h] whose rows span 1e-3.5 .. 10 in scale (tiny rows make eps matter), one row all zero."""
+    """Random [*lead, h] whose rows span 1e-3.5 .. 10 in scale (tiny rows make eps matter), row 0 all zero; the
+    tiniest row is never row 0, so even two rows (a tiny one and the zero one) tell eps 1e-6 from the one asked for."""
     x = r.randn(*lead, h)
-    scale = torch.logspace(-3.5, 1.0, x[..., 0].numel()).reshape(x.shape[:-1])
-    scale = scale.flatten()[torch.randperm(scale.numel(), generator=r.gen)].reshape(scale.shape)
-    x = x * scale[..., None]
+    scale = torch.logspace(-3.5, 1.0, x[..., 0].numel())
+    scale = scale[torch.randperm(scale.numel(), generator=r.gen)]
+    if scale.numel() > 1 and scale[0] == scale.min():     # row 0 is zeroed below: keep the tiny row, where eps shows
+        scale[[0, 1]] = scale[[1, 0]]
+    x = x * scale.reshape(x.shape[:-1])[..., None]
     x.reshape(-1, h)[0] = 0.0
     return x.to(dtype)
 
