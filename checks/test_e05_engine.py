@@ -251,6 +251,9 @@ def test_streaming():
     _assert_same([type("O", (), {"token_ids": got[i], "error": None}) for i in got], refs, prompts, "stream 的输出", r)
 
 
+M_SPECIAL = "\n  看起来像易错点：解码时没有 skip_special_tokens=True，特殊 token 的字面进了输出文本"
+
+
 @point("文本进出：有 tokenizer 时接受字符串、返回解码后的文本（特殊 token 不进文本）")
 def test_text_in_text_out():
     m, e01, m06 = impl(MODULE), impl("e01_sampling"), impl("m06_models")
@@ -263,6 +266,9 @@ def test_text_in_text_out():
     with _engine("文本进出"):
         out = llm.generate(["你好，Qwen"], _greedy(e01, 6))[0]
     assert out.prompt_token_ids == tok.encode("你好，Qwen"), "字符串 prompt 应该用 tokenizer 编码"
+    if (len(out.token_ids) == 6 and out.text != tok.decode(out.token_ids, skip_special_tokens=True)
+            and out.text == tok.decode(out.token_ids, skip_special_tokens=False)):       # random weights drew one
+        raise AssertionError(f"生成的 token {out.token_ids} 里有特殊 token，得到的文本 {out.text!r} 含它的字面" + M_SPECIAL)
     assert len(out.token_ids) == 6 and out.text == tok.decode(out.token_ids, skip_special_tokens=True), \
         f"输出文本应是生成 token 的解码：{out}"
     # every run: the model is pushed to emit special tokens (<|im_start|>, then eos <|im_end|>)
@@ -283,8 +289,7 @@ def test_text_in_text_out():
     model.compute_logits = plain
     if out.text is None or "<|" in out.text or out.text != tok.decode(out.token_ids, skip_special_tokens=True):
         raise AssertionError(f"生成了特殊 token {out.token_ids}（{special} = <|im_start|>，{eos} = eos <|im_end|>），"
-                             f"文本应按 skip_special_tokens=True 解码、不含它们，得到 {out.text!r}"
-                             "\n  看起来像易错点：解码时没有 skip_special_tokens=True，特殊 token 的字面进了输出文本")
+                             f"文本应按 skip_special_tokens=True 解码、不含它们，得到 {out.text!r}" + M_SPECIAL)
 
 
 @point("卡片例子：6 个 KV block 上的一次 generate（6 步、两次抢占、一个坏请求）")
