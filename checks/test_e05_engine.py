@@ -266,11 +266,11 @@ def test_text_in_text_out():
     with _engine("文本进出"):
         out = llm.generate(["你好，Qwen"], _greedy(e01, 6))[0]
     assert out.prompt_token_ids == tok.encode("你好，Qwen"), "字符串 prompt 应该用 tokenizer 编码"
-    if (len(out.token_ids) == 6 and out.text != tok.decode(out.token_ids, skip_special_tokens=True)
+    want = tok.decode(out.token_ids, skip_special_tokens=True)
+    if (len(out.token_ids) == 6 and out.text != want
             and out.text == tok.decode(out.token_ids, skip_special_tokens=False)):       # random weights drew one
         raise AssertionError(f"生成的 token {out.token_ids} 里有特殊 token，得到的文本 {out.text!r} 含它的字面" + M_SPECIAL)
-    assert len(out.token_ids) == 6 and out.text == tok.decode(out.token_ids, skip_special_tokens=True), \
-        f"输出文本应是生成 token 的解码：{out}"
+    assert len(out.token_ids) == 6 and out.text == want, f"输出文本应是生成 token 的解码：{out}"
     # every run: the model is pushed to emit special tokens (<|im_start|>, then eos <|im_end|>)
     special, eos = tok.convert_tokens_to_ids("<|im_start|>"), tok.eos_token_id
     plain = model.compute_logits
