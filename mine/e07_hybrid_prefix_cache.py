@@ -52,6 +52,13 @@ def chunk_end(start: int, end: int, num_tokens: int, block_size: int, shared_end
     raise NotImplementedError("e07: 请实现 chunk_end（见 lessons/e07_hybrid_prefix_cache.md）")
 
 
+def state_views(pool: GDNStatePool, index: int) -> list[torch.Tensor]:
+    """Every linear layer's conv state, then every recurrent state, at row `index` of a pool (or of the snapshot
+    store, which is one too): the list to hand torch._foreach_copy_, which copies all of them in one call. On a GPU a
+    copy_ per tensor is 2 x 30 launches per snapshot for Qwen3.5-35B-A3B, each with its Python dispatch cost."""
+    return [pool.conv[i][index] for i in pool.conv] + [pool.ssm[i][index] for i in pool.conv]
+
+
 class StateCache:
     """GDN state snapshots keyed by the chained hash of the block at whose end they were taken (LRU, budgeted)."""
 
@@ -127,7 +134,7 @@ class HybridBlockManager(BlockManager):
         per request admitted in the same step (SGLang's in-batch prefix caching does the same)."""
         raw = super()._cached_prefix(seq)
         if raw and not self.computed[raw[-1]]:
-            usable = len(self._cached_prefix(seq))
+            usable = self.state_cache.lookup(raw)                 # = len(self._cached_prefix(seq)), hashed once
             if 2 * (len(raw) - usable) * self.block_size >= seq.num_tokens - usable * self.block_size:
                 self.wanted.add(raw[-1])
                 return False

@@ -32,7 +32,7 @@ PLANTS = [
               "        store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)\n",
           expect=None),
     Plant("slot_not_zeroed", "GDN 槽位入场时没有清零",
-          old="        for layer in self.conv:\n            self.conv[layer][slot].zero_()\n            self.ssm[layer][slot].zero_()\n",
+          old="        torch._foreach_zero_([self.conv[i][slot] for i in self.conv] + [self.ssm[i][slot] for i in self.conv])\n",
           new="",
           expect="入场不清零"),
     Plant("state_not_committed", "GDN 状态算完没有写回状态池",

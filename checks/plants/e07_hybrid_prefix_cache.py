@@ -40,12 +40,14 @@ PLANTS = [
           new="        h = bm.blocks[seq.block_table[min(end // bm.block_size, len(seq.block_table) - 1)]].hash\n",
           expect="挂错了块"),
     Plant("restore_no_conv", "restore 只恢复了 recurrent state，没有恢复 conv state",
-          old="            pool.conv[i][slot].copy_(self.store.conv[i][row])\n",
-          new="",
+          old="        torch._foreach_copy_(state_views(pool, slot), state_views(self.store, row))\n",
+          new="        n = len(pool.conv)                                # the recurrent states only\n"
+              "        torch._foreach_copy_(state_views(pool, slot)[n:], state_views(self.store, row)[n:])\n",
           expect="没有恢复 conv state"),
     Plant("restore_no_ssm", "restore 只恢复了 conv state，没有恢复 recurrent state",
-          old="            pool.ssm[i][slot].copy_(self.store.ssm[i][row])\n",
-          new="",
+          old="        torch._foreach_copy_(state_views(pool, slot), state_views(self.store, row))\n",
+          new="        n = len(pool.conv)                                # the conv states only\n"
+              "        torch._foreach_copy_(state_views(pool, slot)[:n], state_views(self.store, row)[:n])\n",
           expect="没有恢复 recurrent state"),
     Plant("restore_no_slot", "restore 没有先 pool.allocate(seq)",
           old="        slot = pool.allocate(seq)\n",
