@@ -11,6 +11,8 @@
 - g01's async scheduling (LLM.step overlapping pure decode steps) with that eager step: e05's outputs token for token
   under preemption, stop tokens found a step late and several max_tokens; prefix-cache blocks end up under the hashes
   of their real tokens; an abort while a step is in flight leaves no event and no block behind.
+- KernelMoE's graph replay in eager steps (with stand-in graphs): rows padded to the smallest bucket that holds them,
+  the padding zeroed, the first n output rows returned; eager past the largest bucket or with nothing captured.
 """
 
 from __future__ import annotations
@@ -238,3 +240,41 @@ def test_async_scheduling_matches_sync_engine_in_the_interpreter():
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(ASYNC)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_moe_graph_replay_pads_to_a_bucket(monkeypatch):
+    """KernelMoE outside a capture: the step's rows go into the static input (the padding rows zeroed), the graph of
+    the smallest bucket that holds them replays, and the first n rows of the static output come back. Beyond the
+    largest bucket, and with no graphs, it runs eager. moe_buckets: every 16 up to 256, sparser up to 2048."""
+    import torch
+    from solutions.g01_gpu_engine import KernelMoE, moe_buckets
+    assert moe_buckets(8192)[:16] == list(range(16, 257, 16)) and moe_buckets(8192)[-1] == 2048
+    assert moe_buckets(300)[-1] == 256 and moe_buckets(2048) == moe_buckets(8192)
+    assert moe_buckets(8) == [16] and all(a < b for a, b in zip(moe_buckets(8192), moe_buckets(8192)[1:]))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)   # a CPU build has no CUDA
+    moe = KernelMoE.__new__(KernelMoE)
+    torch.nn.Module.__init__(moe)
+    replayed, eager = [], []
+
+    class FakeGraph:
+        def __init__(self, bucket):
+            self.bucket = bucket
+
+        def replay(self):
+            replayed.append(self.bucket)
+            static_out[:self.bucket] = 2 * static_in[:self.bucket] + 1
+
+    static_in, static_out = torch.full((32, 4), 7.0), torch.zeros(32, 4)
+    moe.graphs = {16: FakeGraph(16), 32: FakeGraph(32)}
+    moe.buckets, moe.io = [16, 32], (static_in, static_out)
+    moe.eager = lambda x: eager.append(x.shape[0]) or -x
+    x = torch.randn(20, 4)
+    out = moe(x)
+    assert replayed == [32] and eager == []
+    assert torch.equal(out, 2 * x + 1) and out.shape == (20, 4)
+    assert torch.equal(static_in[:20], x) and not static_in[20:].any()       # padding rows zeroed
+    assert torch.equal(moe(x[:16]), 2 * x[:16] + 1) and replayed == [32, 16]
+    y = torch.randn(40, 4)
+    assert torch.equal(moe(y), -y) and eager == [40]                           # past the largest bucket: eager
+    moe.buckets = []
+    assert torch.equal(moe(x), -x) and eager == [40, 20]                       # nothing captured (enforce_eager)
