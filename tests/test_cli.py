@@ -218,8 +218,11 @@ def _processes_with(mark: str) -> list[int]:
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc")
 def test_ctrl_c_exits_130_quietly_and_kills_the_checks(state_dir):
     mark = uuid.uuid4().hex
+    # SIGINT back to its default in the child: a test run started in the background (`cmd &` in a script) inherits
+    # SIGINT ignored, and a Python started that way never raises KeyboardInterrupt
     proc = subprocess.Popen([sys.executable, "-m", "course", "m03", "--solutions"], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
                             env=dict(os.environ, COURSE_TEST_MARK=mark, **state_dir))
     try:
         assert "m03 · " in proc.stdout.readline()                # the header comes at once

@@ -148,7 +148,8 @@ def _start(body: str):
     folder, _ = _case("qwen3")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(_script(body, folder), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True)
+                            env=env, start_new_session=True,   # SIGINT default: a backgrounded run inherits it ignored
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     line = proc.stdout.readline()
     assert line.startswith("WORKER"), proc.communicate(timeout=60)
     return proc, int(line.split()[1])
