@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..grader import select
+from .kernels import capture_cycled
 
 PREFILL_SHAPES = [(1, 8192, 32, 128), (8, 1024, 32, 128), (64, 512, 32, 128)]
 DECODE_BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -29,19 +30,7 @@ def _graph_ms(fns, calls: int = 24) -> float:
     different state pools), as the engine's decode step runs it: a call timed from Python also pays the Triton launch
     (tens of µs for two kernels), which the graph does not. Cycling keeps each call's states cold: one pool updated
     in place 20 times stays in the 50 MB L2 up to batch 16 and reads faster than HBM allows."""
-    for fn in fns:                                  # compiled before the capture
-        fn()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fns[i % len(fns)]()
-    return _ms(graph.replay) / calls
+    return _ms(capture_cycled(fns, calls).replay) / calls
 
 
 def _peers():

@@ -32,24 +32,32 @@ def _bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
 
 
-def _bench_cycled(fns, calls: int = 24, replays: int = 30) -> float:
-    """Median milliseconds per call of one CUDA graph that makes `calls` back-to-back calls, cycling through fns
-    (the same kernel on different buffers): no host launch, no L2 flush between calls; each replay is timed with
-    CUDA events, the median over `replays` replays is divided by `calls`."""
+def capture_cycled(fns, calls: int):
+    """A CUDA graph of `calls` back-to-back calls cycling through fns (the same kernel on different buffers, so each
+    call's inputs are cold when its turn comes). The fns run first on the current stream (Triton compiles) and on a
+    side stream (the warm-up a capture wants), outside the capture. Shared by bench k01 and bench k04's decode."""
     import torch
-    for fn in fns:                                   # compile and warm outside the capture
+    for fn in fns:
         fn()
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for fn in fns:
             fn()
     torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(calls):
             fns[i % len(fns)]()
+    return graph
+
+
+def _bench_cycled(fns, calls: int = 24, replays: int = 30) -> float:
+    """Median milliseconds per call of capture_cycled(fns, calls): no host launch, no L2 flush between calls; each
+    replay is timed with CUDA events, the median over `replays` replays is divided by `calls`."""
+    import torch
+    graph = capture_cycled(fns, calls)
     graph.replay()
     torch.cuda.synchronize()
     times = []
