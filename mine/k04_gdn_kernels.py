@@ -76,34 +76,23 @@ def _conv_state_kernel(x_ptr, stride_x, pool_ptr, stride_ps, stride_pc, stride_p
 # ---------------------------------------------------------------------------------------------- prefill rule
 
 @triton.jit
-def _invert_diag_blocks(scr):
-    """Overwrite the four 16x16 diagonal blocks L_bb of L [64, 64] in scr with (I + L_bb)^-1: forward
-    substitution, row i of all four blocks at once (X_i = e_i - sum_{j<i} L_ij X_j)."""
+def _invert_diag_blocks(L):
+    """L [64, 64] fp32, strictly lower -> the block-diagonal [64, 64] of (I + L_bb)^-1 for its four 16x16 diagonal
+    blocks L_bb: forward substitution X_i = e_i - sum_{j<i} L_ij X_j, row i of all four blocks at once."""
     raise NotImplementedError("k04: 请实现 _invert_diag_blocks（见 lessons/k04_gdn_kernels.md）")
 
 
 @triton.jit
-def _block(scr, i: tl.constexpr, j: tl.constexpr):
-    r = tl.arange(0, 16)
-    return tl.load(scr + (i * 16 + r)[:, None] * 64 + j * 16 + r[None, :])
-
-
-@triton.jit
-def _put(scr, X, i: tl.constexpr, j: tl.constexpr):
-    r = tl.arange(0, 16)
-    tl.store(scr + (i * 16 + r)[:, None] * 64 + j * 16 + r[None, :], X)
-
-
-@triton.jit
-def _solve_unit_lower(scr):
-    """scr holds strictly lower L [64, 64] fp32; overwrite it with (I + L)^-1 (block forward substitution)."""
+def _solve_unit_lower(L, PREC: tl.constexpr):
+    """(I + L)^-1 for a strictly lower L [64, 64] fp32, all in registers. With D = (I + L_diag)^-1 (block diagonal)
+    and M = D L_off (strictly block-lower, so M^4 = 0): I + L = D^-1 (I + M), (I + L)^-1 = (I - M + M^2 - M^3) D."""
     raise NotImplementedError("k04: 请实现 _solve_unit_lower（见 lessons/k04_gdn_kernels.md）")
 
 
 @triton.jit
 def _chunk_prep_kernel(q_ptr, k_ptr, v_ptr, stride_q, stride_k, stride_v, stride_qh, stride_kh, stride_vh,
                        g_ptr, stride_g, beta_ptr, stride_beta, A_log_ptr, dt_bias_ptr,
-                       cu_ptr, chunk_seq_ptr, chunk_start_ptr, w_ptr, u_ptr, gc_ptr, aqk_ptr, scr_ptr, scale,
+                       cu_ptr, chunk_seq_ptr, chunk_start_ptr, w_ptr, u_ptr, gc_ptr, aqk_ptr, scale,
                        HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr, RAW_GATES: tl.constexpr, NORM_QK: tl.constexpr,
                        DOT: tl.constexpr, PREC: tl.constexpr):
