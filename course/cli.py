@@ -11,6 +11,7 @@
     ./check.sh serve [--model DIR]  the same engine behind an OpenAI-compatible HTTP server (e06)
     ./check.sh bench --serve        HTTP throughput and time-to-first-token beside the offline engine
     ./check.sh selftest             the project's own test suite
+    ./check.sh mutants [e07 ...]    mutation testing of the checks (developers; CONTRIBUTING.md)
     ./check.sh book [--open] [--serve [--no-build] [--port N]]   build (and serve) the book: build/book/site/, build/book/book.pdf
 """
 
@@ -381,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if command == "selftest":
         return selftest(argv[1:])
+    if command == "mutants":
+        from .grader import mutants
+        return mutants.main(argv[1:])
     if command == "book":
         from .book import build as bookbuild
         return bookbuild.main(argv[1:])

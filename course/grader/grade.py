@@ -138,14 +138,17 @@ class _no_interrupts:
 def run_checks(exercise: Exercise, selection: dict[str, str], extra_args: tuple[str, ...] = (),
                env: dict[str, str] | None = None, timeout_s: float | None = None,
                on_event: Listener | None = None, wall_s: float | None = None,
-               stop_when: Callable[[dict], bool] | None = None) -> Grade:
+               stop_when: Callable[[dict], bool] | None = None, spawn: Callable | None = None) -> Grade:
     """Grade `exercise` under `selection`; `on_event` hears the plan and each result as it arrives.
 
     stop_when: once a result satisfies it, the check process is ended and the checks not yet run are 未运行
     (the selftest stops a planted mistake's grading at the failure that names it).
 
     timeout_s: per check (CHECK_TIMEOUT_S); wall_s: once a check timed out, nothing runs past this many
-    seconds from the start (WALL_AFTER_TIMEOUT_S, or the limit + 25 s when that is longer)."""
+    seconds from the start (WALL_AFTER_TIMEOUT_S, or the limit + 25 s when that is longer).
+
+    spawn(cmd, cwd, env, stdout): starts the check process in place of subprocess.Popen (the mutation run forks it
+    from a server that has torch and transformers imported already: course/grader/forkserver.py)."""
     start, started_wall = time.monotonic(), time.time()
     on_gpu = exercise.needs_gpu or (exercise.track == "K" and shutil.which("nvidia-smi") is not None)
     limit = timeout_s or (max(GPU_CHECK_TIMEOUT_S, CHECK_TIMEOUT_S) if on_gpu else CHECK_TIMEOUT_S)
@@ -175,8 +178,11 @@ def run_checks(exercise: Exercise, selection: dict[str, str], extra_args: tuple[
         running: dict | None = None          # the check in progress: its start event and when it began
         stopped = False                      # stop_when was met: the rest is deliberately not run
         with open(log, "wb") as out:
-            proc = subprocess.Popen(cmd, cwd=select.ROOT, env=child_env, stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            if spawn is not None:
+                proc = spawn(cmd, select.ROOT, child_env, out)
+            else:
+                proc = subprocess.Popen(cmd, cwd=select.ROOT, env=child_env, stdin=subprocess.DEVNULL, stdout=out,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
         try:
             exit_by = None                       # every result is in: when the process must have exited
             while True:
