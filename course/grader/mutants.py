@@ -38,6 +38,7 @@ from .grade import run_checks
 from .select import ROOT
 
 TRIAGE_DIR = ROOT / "checks" / "mutants"
+TIMEOUT_RETRY = 4
 
 # cosmic-ray's operators, one or two plausible replacements per site (its full set swaps every binary
 # operator for every other one: ~12 mutants per `+`, most of them a TypeError in tensor code). These are the
@@ -194,8 +195,15 @@ def grade_mutant(ex: registry.Exercise, mutant: Mutant, workdir: Path, index: in
 
     def failed(r: dict) -> bool:
         return r["status"] in ("failed", "error", "timeout", "todo")
-    grade = run_checks(ex, {"default": "solutions", ex.module: str(path)}, stop_when=failed, spawn=spawn)
+    selection = {"default": "solutions", ex.module: str(path)}
+    grade = run_checks(ex, selection, stop_when=failed, spawn=spawn)
     bad = [r for r in grade.results if failed(r)]
+    if bad and all(r["status"] == "timeout" for r in bad):
+        # a loaded machine can push a slow check past its limit: a timeout kills a mutant only when it also
+        # happens with TIMEOUT_RETRY times the limit (a mutant that loops forever costs that long once)
+        grade = run_checks(ex, selection, stop_when=failed, spawn=spawn, timeout_s=grade.limit * TIMEOUT_RETRY,
+                           wall_s=grade.limit * TIMEOUT_RETRY + 30)
+        bad = [r for r in grade.results if failed(r)]
     if grade.crash or bad:
         mutant.outcome = "killed"
         mutant.by = f"{bad[0]['status']}: {bad[0]['point']}" if bad else "crash: " + grade.crash.splitlines()[0][:80]
