@@ -7,9 +7,10 @@
     ./check.sh show m03 [--level N] the card, rendered in the terminal (hints L1..LN opened; default none)
     ./check.sh watch m03            re-grade whenever the file is saved
     ./check.sh reset m03            restore the stub (your file is kept in mine/.backup/)
-    ./check.sh run --prompt TEXT    assemble the engine (your passed exercises + references) and generate
+    ./check.sh run [--model M]      assemble the engine (passed exercises + references), generate, and say which
+                                    exercises the model ran (M: tiny, the default; tiny-hybrid; an HF folder)
     ./check.sh serve [--model DIR]  the same engine behind an OpenAI-compatible HTTP server (e06)
-    ./check.sh bench --serve        HTTP throughput and time-to-first-token beside the offline engine
+    ./check.sh bench --help         the benchmarks: every workload, subcommand and option (course/bench/cli.py)
     ./check.sh selftest             the project's own test suite
     ./check.sh mutants [e07 ...]    mutation testing of the checks (developers; CONTRIBUTING.md)
     ./check.sh book [--open] [--serve [--no-build] [--port N]]   build (and serve) the book: build/book/site/, build/book/book.pdf
@@ -307,7 +308,8 @@ HELP = """用法：
   ./check.sh show m03 [--level 0|1|2|3]   在终端里读卡片；三级提示默认折叠，--level N 展开到第 N 级
   ./check.sh watch m03 [--solutions]      保存即重新验收（Ctrl-C 退出）
   ./check.sh reset m03                    把 mine/ 里的文件恢复为原始 stub（你的版本备份到 mine/.backup/）
-  ./check.sh run --prompt 文本            用你已通过的练习组装引擎并生成
+  ./check.sh run [--model tiny-hybrid]    用你已通过的练习组装引擎并生成，说出模型用到了哪些练习
+  ./check.sh bench --help                 基准测试的每个负载、子命令和选项
   ./check.sh selftest                     项目自测
 每个检查最多 {limit} 秒（COURSE_CHECK_TIMEOUT=秒数 可以放宽）。"""
 
@@ -394,11 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     if command == "serve":
         from .runtime import serve
         return serve.main(argv[1:], say)
-    if command == "bench" and "--serve" in argv[1:]:
-        from .bench import serve as serve_bench
-        return serve_bench.main([a for a in argv[1:] if a != "--serve"], say)
     if command == "bench":
-        from .bench import engine as bench
+        from .bench import cli as bench
         return bench.main(argv[1:], say)
     if command == "gpu":
         return gpu_check(argv[1:])

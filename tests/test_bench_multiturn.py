@@ -42,3 +42,24 @@ def test_answer_lengths_vary_unless_fixed():
     assert multiturn.chats(args) == multiturn.chats(args)                       # seeded: the same every run
     args.fixed_answers = True
     assert {n for per_chat in multiturn.chats(args)[2] for n in per_chat} == {64}
+
+
+def test_the_results_table_fits_80_columns_and_folds_below():
+    """H200-sized numbers in every cell: within 80 columns nothing is cut; a narrower terminal folds cells (as
+    ./check.sh show does) instead of cutting them with "…"."""
+    import io
+    from rich.console import Console
+    from rich.cells import cell_len
+    from course.bench import multiturn
+    row = dict(prompt_tokens=344576, prefill_computed=36096, snapshot_hits=12345, mean_ttft_ms=12345.6,
+               p50_ttft_ms=11111.1, p90_ttft_ms=22222.2, tok_per_s=123456, seconds=1234.56)
+    results = [dict(row, caching=False), dict(row, caching=True)]
+    for width in (80, 60):
+        console = Console(width=width, record=True, file=io.StringIO())
+        console.print(multiturn.results_table(results), soft_wrap=True)     # as the CLI's say() prints it
+        text = console.export_text()
+        assert max(cell_len(line) for line in text.splitlines()) <= width, text
+        assert "…" not in text, text
+        if width == 80:
+            for value in ("344576", "36096", "12345.6", "22222.2", "123456", "1234.56", "caching", "snapshot"):
+                assert value in text, (value, text)

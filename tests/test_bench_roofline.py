@@ -13,7 +13,7 @@ def _engine(config):
 
 
 def test_engine_bytes_of_a_hybrid_moe_model():
-    from course.bench.multiturn import tiny_hybrid_config
+    from course.runtime.run import tiny_hybrid_config
     cfg = tiny_hybrid_config()
     llm = _engine(cfg)
     sizes = engine_bytes(llm.model, llm.runner)
@@ -57,7 +57,7 @@ def test_decode_bound_sums_the_schedule():
 
 def test_the_qwen3_0_6b_bench_workload_reads_13_9_tb_of_kv():
     """The number §G.1 quotes: the nano-vllm workload's decode reads 13.9 TB of K/V on Qwen3-0.6B (bf16)."""
-    from course.bench.engine import workload
+    from course.bench.common import workload
     prompts, outs = workload(256, 1024, 1024)
     kv = 28 * 2 * 8 * 128 * 2
     got = decode_bound(dict(kv_per_token=kv, gdn_per_seq=0, dense_weights=0, expert_weights=0, num_experts=0, top_k=0,
@@ -68,8 +68,8 @@ def test_the_qwen3_0_6b_bench_workload_reads_13_9_tb_of_kv():
 
 
 def test_the_bench_prints_the_bound_beside_the_measured_decode(monkeypatch):
-    from course.bench import engine, kernels
-    monkeypatch.setattr(kernels, "_hbm_peak", lambda: 1e-9)                      # 1 byte a second
+    from course.bench import engine
+    monkeypatch.setattr(engine, "hbm_peak", lambda: 1e-9)                       # 1 byte a second
     sizes = dict(kv_per_token=10, gdn_per_seq=0, dense_weights=1000, expert_weights=0, num_experts=0, top_k=0,
                  logits_per_seq=0)
     eng = dict(num_seqs=2, engine_bytes=sizes, output_tokens=6,

@@ -1,88 +1,24 @@
 """`./check.sh bench`: the engine on the nano-vllm bench workload, beside HF transformers in the same run.
 
-Workload (nano-vllm's bench.py): random.seed(0); num_seqs prompts of randint(0, 10000) token ids with lengths
-randint(100, max_input_len), then output lengths randint(100, max_output_len); temperature 0.6, ignore_eos;
-throughput = output tokens / wall time of one generate() call (after a warm-up request).
+Workload (nano-vllm's bench.py, common.workload): random.seed(0); num_seqs prompts of randint(0, 10000) token ids
+with lengths randint(100, max_input_len), then output lengths randint(100, max_output_len); temperature 0.6,
+ignore_eos; throughput = output tokens / wall time of one generate() call (after a warm-up request).
 Beside the measured decode time: the decode phase's roofline (roofline.py: the bytes it must move over the copy
 bandwidth measured in the same run).
-Models: the real architectures with dummy bf16 weights built on the GPU (no download).
-
-    ./check.sh bench [--model qwen3-0.6b|qwen3-30b-a3b|qwen3.5-35b-a3b] [--num-seqs 256] [--peer hf]
-                     [--peer-num-seqs 64] [--enforce-eager] [--plot out.png] [--json out.json]
-    ./check.sh bench --profile [--model ...]   torch.profiler on one prefill step and one decode step: GPU time
-                                               by kernel class beside the step's wall time
+Models: the real architectures with dummy bf16 weights built on the GPU (no download; common.MODELS).
 With --peer hf every engine runs in a process of its own (the whole GPU each: a second engine in the same
 process would find the first one's memory still held); the ratio is printed only from runs that started
-with the same free GPU memory on the same prompts.
-    ./check.sh bench --tp 2 [--model ...]   the engine at TP=2 and at TP=1 on the same prompts (bench_tp)
-    ./check.sh bench --workload multiturn   multi-turn chats, hybrid prefix caching off and on (multiturn.py, e07)
-    ./check.sh bench k01|k02|k03|k04        the kernel benchmarks of Track K
+with the same free GPU memory on the same prompts. --tp N: the engine at TP=N and at TP=1 on the same prompts
+(bench_tp). The command line is parsed, and every other workload dispatched, by cli.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import random
 import time
 
-MODELS = {
-    "qwen3-0.6b": dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                       max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
-                       tie_word_embeddings=True),
-    "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-                          moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
-                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-                          max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
-                          tie_word_embeddings=False),
-    # Qwen3_5MoeTextConfig's defaults are the 35B-A3B text model (40 layers, 3 GDN : 1 full attention)
-    "qwen3.5-35b-a3b": dict(model_type="qwen3_5_moe_text", max_position_embeddings=32768),
-}
-
-
-def hf_config(name: str):
-    from transformers import AutoConfig
-    spec = dict(MODELS[name])
-    return AutoConfig.for_model(spec.pop("model_type"), **spec)
-
-
-def workload(num_seqs: int, max_input_len: int, max_output_len: int) -> tuple[list[list[int]], list[int]]:
-    """nano-vllm's bench.py, draw for draw: all prompts first, then all output lengths."""
-    random.seed(0)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_input_len))] for _ in range(num_seqs)]
-    out_lens = [random.randint(100, max_output_len) for _ in range(num_seqs)]
-    return prompts, out_lens
-
-
-def build_engine(args, prompts, tp: int = 1):
-    """The engine (the learner's files where they pass, else the references) on the bench model, warmed up.
-    Returns (llm, SamplingParams, start-up seconds); records the free GPU memory before it in args._free_at_start."""
-    import torch
-    from course.grader import select
-    from course.runtime import run
-    selection, report = run.auto_selection(gpu=True)
-    select.use(selection)
-    if not getattr(args, "_reported", False):
-        print("engine files: " + ", ".join(path for _, path in report))
-        args._reported = True
-    SamplingParams = select.load("e01_sampling").SamplingParams
-    g01 = select.load("g01_gpu_engine")
-    args._free_at_start = torch.cuda.mem_get_info()[0] / 2**30
-    t0 = time.perf_counter()
-    llm = g01.LLM(hf_config(args.model), max_num_seqs=args.max_num_seqs, max_num_batched_tokens=16384,
-                  max_model_len=args.max_model_len, block_size=args.block_size, enforce_eager=args.enforce_eager,
-                  gpu_memory_utilization=0.9, tensor_parallel_size=tp,
-                  async_scheduling=False if getattr(args, "no_async_scheduling", False) else None)
-    startup = time.perf_counter() - t0
-    # warm-up: Triton compiles a kernel per specialisation on first use (~0.1-0.6 s each); give every path
-    # one: short and long prompts, then more prompt tokens than one step takes so that a chunk continues
-    # from a cached prefix and prefill chunks share steps with decodes - all before the clock starts
-    warm = [p[:n] for p, n in zip(prompts[:8], (1, 17, 100, 255, 512, 1000, 64, 33))]
-    warm += [(p * 4)[:min(args.max_model_len - 8, 1500)] for p in prompts[8:8 + 12]]
-    llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True))
-    return llm, SamplingParams, startup
+from .common import (build_engine, event_ms, hbm_peak, hf_config, replay_ms, time_calls, watch_compiles,
+                     workload)
 
 
 def run_engine(args, prompts, out_lens, tp: int = 1) -> dict:
@@ -97,7 +33,7 @@ def run_engine(args, prompts, out_lens, tp: int = 1) -> dict:
               "prefill forward (launch)": (own, "_run_prefill")}
     if hasattr(llm, "_resolve"):          # g01's async step: an overlapped step waits for the previous one in here
         timers["resolve"] = (llm, "_resolve")
-    host, restore_calls = _time_calls(timers)
+    host, restore_calls = time_calls(timers)
 
     def step():
         t = time.perf_counter()
@@ -160,55 +96,6 @@ def run_engine(args, prompts, out_lens, tp: int = 1) -> dict:
     return result
 
 
-class watch_compiles:
-    """`with watch_compiles() as names:` - the Triton kernels compiled (or loaded from the disk cache) inside the block,
-    by name: a timed run must show none (each compile costs 0.1-1 s of wall time that is not the engine's work).
-    Uses triton.knobs.runtime.jit_cache_hook (Triton >= 3.4); on older Triton the list stays empty."""
-
-    def __enter__(self) -> list[str]:
-        self.names: list[str] = []
-        try:
-            from triton import knobs
-            self.runtime = knobs.runtime if hasattr(knobs.runtime, "jit_cache_hook") else None
-        except (ImportError, AttributeError):
-            self.runtime = None
-        if self.runtime is None:
-            return self.names
-        self.before = self.runtime.jit_cache_hook
-
-        def hook(*, fn, **kw):
-            self.names.append(getattr(fn, "name", str(fn)))
-            return False                           # False: compile as usual
-        self.runtime.jit_cache_hook = hook
-        return self.names
-
-    def __exit__(self, *exc) -> None:
-        if self.runtime is not None:
-            self.runtime.jit_cache_hook = self.before
-
-
-def _time_calls(targets: dict):
-    """Wrap obj.name for each (obj, name) to sum its wall time (a diagnostic: where a step's host time goes).
-    Returns (seconds per label, restore): restore() removes the wrappers again."""
-    acc = {}
-    for label, (obj, name) in targets.items():
-        fn = getattr(obj, name)
-        acc[label] = 0.0
-
-        def timed(*a, _fn=fn, _label=label, **kw):
-            t = time.perf_counter()
-            try:
-                return _fn(*a, **kw)
-            finally:
-                acc[_label] += time.perf_counter() - t
-        setattr(obj, name, timed)
-
-    def restore():
-        for obj, name in targets.values():
-            delattr(obj, name)                   # the instance attribute shadowed the class method
-    return acc, restore
-
-
 def time_breakdown(result: dict) -> list[str]:
     """Where the wall time went: prefill vs decode steps, decode steps by batch size, host time per step."""
     tl = result["timeline"]
@@ -232,11 +119,10 @@ def time_breakdown(result: dict) -> list[str]:
 
 def roofline_line(eng: dict, prompts, out_lens) -> str:
     """The decode phase's bytes / the copy bandwidth measured now, beside the measured decode time (roofline.py)."""
-    from .kernels import _hbm_peak
     from .roofline import decode_bound
     n = eng["num_seqs"]
     bound = eng["decode_bound"] = decode_bound(eng["engine_bytes"], [len(p) for p in prompts[:n]], out_lens[:n],
-                                               _hbm_peak())
+                                               hbm_peak())
     tb = {k: v / 1e12 for k, v in bound["bytes"].items()}
     decode = sum(s[0] for s in eng["timeline"] if s[2])
     prefill = sum(s[0] for s in eng["timeline"] if not s[2])
@@ -253,8 +139,8 @@ def graph_step_ms(llm, batch: int, context: int) -> float:
     """GPU time of one decode step (graph replay) at `batch` sequences of `context` tokens: the step's floor.
     Under tensor parallel every rank replays at once (the graph holds NCCL all-reduces)."""
     if getattr(llm, "tp", None) is not None:
-        return llm.tp.call(_replay_ms, batch, context, llm.runner.num_blocks)
-    return _replay_ms(llm.runner, batch, context, llm.runner.num_blocks)
+        return llm.tp.call(replay_ms, batch, context, llm.runner.num_blocks)
+    return replay_ms(llm.runner, batch, context, llm.runner.num_blocks)
 
 
 def run_hf_peer(args, prompts, out_lens) -> dict:
@@ -311,45 +197,9 @@ def run_hf_peer(args, prompts, out_lens) -> dict:
                 tok_per_s=tokens / wall, free_gib_at_start=free_at_start)
 
 
-def main(argv: list[str], say) -> int:
-    if any(a == "--workload" or a.startswith("--workload=") for a in argv):
-        from .multiturn import main as multiturn
-        return multiturn(argv, say)
-    if argv and argv[0] in ("k01", "k02"):
-        from .kernels import bench_kernel
-        return bench_kernel(argv[0], argv[1:])
-    if argv and argv[0] == "k03":
-        from .k03 import bench_k03
-        return bench_k03(argv[1:], say)
-    if argv and argv[0] == "k04":
-        from .k04 import bench_k04
-        return bench_k04(argparse.Namespace(solutions="--solutions" in argv[1:]))
-    p = argparse.ArgumentParser(prog="./check.sh bench")
-    p.add_argument("--model", choices=sorted(MODELS), default="qwen3-0.6b")
-    p.add_argument("--num-seqs", type=int, default=256)
-    p.add_argument("--max-input-len", type=int, default=1024)
-    p.add_argument("--max-output-len", type=int, default=1024)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--block-size", type=int, default=32)
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--no-async-scheduling", action="store_true",
-                   help="every step waits for its tokens before the next is scheduled (g01 LLM(async_scheduling=False))")
-    p.add_argument("--peer", choices=["hf", "none"], default="none")
-    p.add_argument("--peer-num-seqs", type=int, default=None,
-                   help="a smaller shared workload for both (HF needs minutes for the full one)")
-    p.add_argument("--profile", action="store_true", help="torch.profiler split of one prefill and one decode step")
-    p.add_argument("--plot", default=None)
-    p.add_argument("--json", default=None)
-    p.add_argument("--tp", type=int, default=1, help="tensor parallel size: run TP=N and TP=1 side by side")
-    p.add_argument("--tp-run", type=int, default=0, help=argparse.SUPPRESS)     # one engine, in a child process
-    p.add_argument("--engine-run", choices=["course", "hf"], default=None, help=argparse.SUPPRESS)   # likewise
-    p.add_argument("--subset", type=int, default=0, help=argparse.SUPPRESS)     # the child's first N prompts
-    args = p.parse_args(argv)
+def bench(args, argv: list[str], say) -> int:
+    """`./check.sh bench [options]` on a GPU (cli.py parsed argv into args; the child processes get argv again)."""
     import torch
-    if not torch.cuda.is_available():
-        say("[yellow]./check.sh bench 需要 NVIDIA GPU（CUDA）；这台机器没有，未运行。[/]")
-        return 2
     if args.tp > 1 or args.tp_run:
         return bench_tp(args, argv, say)
     prompts, out_lens = workload(args.num_seqs, args.max_input_len, args.max_output_len)
@@ -359,9 +209,6 @@ def main(argv: list[str], say) -> int:
         result = run(args, prompts[:n], out_lens[:n])
         print("ENGINE_JSON " + json.dumps(result), flush=True)
         return 0
-    if args.profile:
-        from .profile import profile_steps
-        return profile_steps(args, prompts, out_lens, say)
     from rich.table import Table
     if args.peer == "hf":                       # every engine in its own process: the whole GPU each
         n = min(args.peer_num_seqs or args.num_seqs, args.num_seqs)
@@ -514,37 +361,6 @@ def bench_tp(args, argv: list[str], say) -> int:
     return 0
 
 
-def _replay_ms(runner, batch: int, context: int, num_blocks: int) -> float:
-    """GPU time of one decode-graph replay at `batch` sequences of `context` tokens (every rank calls it)."""
-    import torch
-    bs = next(b for b in sorted(runner.graphs) if b >= min(batch, max(runner.graphs)))
-    context = max(1, min(context, runner.max_blocks_per_seq * runner.block_size))
-    per_seq = -(-context // runner.block_size)
-    s = runner.static
-    gen = torch.Generator(device=s["tables"].device).manual_seed(0)
-    # random blocks (with replacement when the pool holds fewer than bs * per_seq): the reads stay scattered
-    blocks = torch.randint(0, num_blocks, (bs, per_seq), device=s["tables"].device, generator=gen)
-    with torch.inference_mode():
-        s["tables"][:bs, :per_seq] = blocks.int()
-        s["lens"][:bs] = context
-        s["pos"][:bs] = context - 1
-        s["slots"][:bs] = blocks[:, -1] * runner.block_size
-        runner.graphs[bs].replay()
-        return _event_ms(runner.graphs[bs].replay, 20)
-
-
-def _event_ms(fn, reps: int) -> float:
-    """Mean GPU milliseconds of fn() over `reps` back-to-back calls, timed with CUDA events."""
-    import torch
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
-
-
 def _allreduce_ms(runner, count: int, rows: int, hidden: int) -> float:
     """`count` NCCL all-reduces of [rows, hidden] bf16, back to back: what one decode step communicates."""
     import torch
@@ -557,4 +373,4 @@ def _allreduce_ms(runner, count: int, rows: int, hidden: int) -> float:
     def one_step():
         for _ in range(count):
             dist.all_reduce(x)
-    return _event_ms(one_step, 5)
+    return event_ms(one_step, 5)

@@ -12,9 +12,6 @@ measured in the same run. Goal: >= 70 % at decode batch 256, and fused fastest e
 
 from __future__ import annotations
 
-import argparse
-import sys
-
 import torch
 
 SHAPES = [dict(name="Qwen3-30B-A3B", experts=128, top_k=8, hidden=2048, inter=768, shared=0),
@@ -71,12 +68,8 @@ def _copy_bandwidth(do_bench) -> float:
     return 2 * (2 << 30) / (ms * 1e-3)
 
 
-def bench_k03(args: list[str], say=print) -> int:
-    parser = argparse.ArgumentParser(prog="./check.sh bench k03")
-    parser.add_argument("--shapes", default="0,1", help="indices into SHAPES (0: Qwen3-30B-A3B, 1: Qwen3.5-35B-A3B)")
-    parser.add_argument("--no-loop", action="store_true", help="skip m03's per-expert loop (slow at prefill)")
-    parser.add_argument("--solutions", action="store_true", help="measure the reference even when mine/ has passed")
-    opts = parser.parse_args(args)
+def bench_k03(opts, say=print) -> int:
+    """`./check.sh bench k03 [--shapes 0,1] [--no-loop] [--solutions]` (opts parsed by cli.py); the exit status."""
     if not torch.cuda.is_available():
         say("./check.sh bench k03 需要 GPU（CUDA）：这台机器没有，benchmark 没有运行。")
         return 1
@@ -84,7 +77,7 @@ def bench_k03(args: list[str], say=print) -> int:
 
     from course.grader import select
     from course.runtime.run import kernel_source
-    select.use({"default": "solutions", "k03_fused_moe": kernel_source("k03", "--solutions" in args)})
+    select.use({"default": "solutions", "k03_fused_moe": kernel_source("k03", opts.solutions)})
     k03, m03 = select.load("k03_fused_moe"), select.load("m03_sparse_moe")
     source = select.resolve("k03_fused_moe")
     do_bench = lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")  # noqa: E731
@@ -134,7 +127,3 @@ def bench_k03(args: list[str], say=print) -> int:
         torch.cuda.empty_cache()
     say(f"\nslowest ratio (best other / fused): {worst:.2f}x — fused is the fastest everywhere when this is >= 1")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(bench_k03(sys.argv[1:]))

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..grader import select
-from .kernels import capture_cycled
+from .common import capture_cycled
 
 PREFILL_SHAPES = [(1, 8192, 32, 128), (8, 1024, 32, 128), (64, 512, 32, 128)]
 DECODE_BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -129,12 +129,13 @@ def _decode(mod) -> list[str]:
 
 
 def bench_k04(args) -> int:
+    """`./check.sh bench k04 [--solutions]` (args parsed by cli.py); returns the exit status."""
     if not torch.cuda.is_available():
         print("./check.sh bench k04：需要 GPU（CUDA 不可用）。")
         return 2
     module = "k04_gdn_kernels"
     from ..runtime.run import kernel_source
-    select.use({"default": "solutions", module: kernel_source("k04", getattr(args, "solutions", False))})
+    select.use({"default": "solutions", module: kernel_source("k04", args.solutions)})
     mod = select.load(module)
     print(f"{torch.cuda.get_device_name()}，torch {torch.__version__}；实现：{select.resolve(module)}\n", flush=True)
     fla_chunk, fla_recurrent = _peers()

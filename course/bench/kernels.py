@@ -20,37 +20,11 @@ import os
 import random
 
 from ..grader import select
+from .common import capture_cycled, do_bench_ms, hbm_peak
 
 
 def _say(text: str) -> None:
     print(text, flush=True)
-
-
-def _bench(fn) -> float:
-    """Median milliseconds of fn()."""
-    import triton.testing
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-
-
-def capture_cycled(fns, calls: int):
-    """A CUDA graph of `calls` back-to-back calls cycling through fns (the same kernel on different buffers, so each
-    call's inputs are cold when its turn comes). The fns run first on the current stream (Triton compiles) and on a
-    side stream (the warm-up a capture wants), outside the capture. Shared by bench k01 and bench k04's decode."""
-    import torch
-    for fn in fns:
-        fn()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fns[i % len(fns)]()
-    return graph
 
 
 def _bench_cycled(fns, calls: int = 24, replays: int = 30) -> float:
@@ -70,15 +44,6 @@ def _bench_cycled(fns, calls: int = 24, replays: int = 30) -> float:
         times.append(start.elapsed_time(end) / calls)
     del graph
     return sorted(times)[len(times) // 2]
-
-
-def _hbm_peak() -> float:
-    """GB/s of a 2 GiB device-to-device copy (read + write)."""
-    import torch
-    src = torch.empty(2 ** 30, dtype=torch.int16, device="cuda")
-    dst = torch.empty_like(src)
-    ms = _bench(lambda: dst.copy_(src))
-    return 2 * src.numel() * 2 / ms / 1e6
 
 
 def _row(name: str, ms: float, amount: float, unit: str, anchor: float | None = None, target: str = "") -> None:
@@ -174,7 +139,7 @@ def bench_k02(m, peak: float) -> None:
         q = torch.randn(256, nh, d, dtype=bf16, device="cuda", generator=gen)
         for splits in (1, 2, 4, 8):
             _row(f"decode_attention B 256, nH {nh}, nKV 8, D 128, splits {splits}",
-                 _bench(lambda: m.decode_attention(q, kc, vc, tables, ctx, d ** -0.5, splits)),
+                 do_bench_ms(lambda: m.decode_attention(q, kc, vc, tables, ctx, d ** -0.5, splits)),
                  kv_bytes, "GB/s", peak, "target >= 80 %")
         # torch SDPA on the same keys, already gathered and padded to the longest context (not timed: the gather)
         longest = max(lens)
@@ -189,7 +154,7 @@ def bench_k02(m, peak: float) -> None:
         mask = (torch.arange(longest, device="cuda")[None, :] < ctx[:, None])[:, None, None, :]
         qs = q[:, :, None, :]
         _row(f"  torch SDPA on gathered, padded K/V (nH {nh}; counts only real K/V bytes)",
-             _bench(lambda: F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, enable_gqa=True)),
+             do_bench_ms(lambda: F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, enable_gqa=True)),
              kv_bytes, "GB/s", peak)
         del keys, values
 
@@ -207,31 +172,31 @@ def bench_k02(m, peak: float) -> None:
         kb = k.view(num_seqs, length, nkv, d).transpose(1, 2).repeat_interleave(nh // nkv, dim=1)
         vb = v.view(num_seqs, length, nkv, d).transpose(1, 2).repeat_interleave(nh // nkv, dim=1)
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            sdpa_ms = _bench(lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True))
+            sdpa_ms = do_bench_ms(lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True))
         sdpa_rate = flops / sdpa_ms / 1e9
         _row(f"torch SDPA flash, {num_seqs} x {length} (unpaged, K/V repeated)", sdpa_ms, flops, "TFLOP/s")
-        unpaged_ms = _bench(lambda: m.flash_attention_varlen(q, k, v, cu, cu, length, d ** -0.5))
+        unpaged_ms = do_bench_ms(lambda: m.flash_attention_varlen(q, k, v, cu, cu, length, d ** -0.5))
         _row(f"flash_attention_varlen, {num_seqs} x {length} (unpaged)", unpaged_ms, flops, "TFLOP/s", sdpa_rate,
              "target >= 90 % of SDPA flash")
-        paged_ms = _bench(lambda: m.prefill_attention(q, kc, vc, cu, cu, tables, length, d ** -0.5))
+        paged_ms = do_bench_ms(lambda: m.prefill_attention(q, kc, vc, cu, cu, tables, length, d ** -0.5))
         _row(f"prefill_attention, {num_seqs} x {length} (paged, P {page})", paged_ms, flops, "TFLOP/s", sdpa_rate,
              f"paged / unpaged time = {paged_ms / unpaged_ms:.2f} (target <= 1.15)")
 
 
-def bench_kernel(exercise_id: str, args: list[str]) -> int:
-    """Entry point for `./check.sh bench k01|k02 [--solutions]`; returns the exit status."""
+def bench_kernel(exercise_id: str, solutions: bool = False) -> int:
+    """`./check.sh bench k01|k02 [--solutions]` (parsed by cli.py); returns the exit status."""
     import torch
     if not torch.cuda.is_available():
         _say(f"./check.sh bench {exercise_id}：需要 GPU（CUDA），这台机器上没有。正确性检查请运行 ./check.sh {exercise_id}。")
         return 1
     module = {"k01": "k01_triton_basics", "k02": "k02_paged_attention"}[exercise_id]
     from ..runtime.run import kernel_source
-    source = kernel_source(exercise_id, "--solutions" in args)
+    source = kernel_source(exercise_id, solutions)
     os.environ[select.ENV] = select.encode({"default": "solutions", module: source})
     m = select.load(module)
     _say(f"{exercise_id} benchmark ({source}/{module}.py) on {torch.cuda.get_device_name()}, "
          f"torch {torch.__version__}")
-    peak = _hbm_peak()
+    peak = hbm_peak()
     _say(f"  anchor: device-to-device copy of 2 GiB = {peak:.0f} GB/s (the HBM peak used below)")
     with torch.inference_mode():
         (bench_k01 if exercise_id == "k01" else bench_k02)(m, peak)

@@ -21,27 +21,18 @@ of the per-run ratios is the result line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
 import time
 
+from ..runtime.run import tiny_hybrid_config
+from .common import hf_config, watch_compiles
+
 CPU_DEFAULTS = dict(conversations=4, turns=3, system_len=96, message_len=16, answer_len=24, block_size=16,
                     max_num_batched_tokens=256, snapshots=16)
 GPU_DEFAULTS = dict(conversations=64, turns=4, system_len=1000, message_len=100, answer_len=64, block_size=16,
                     max_num_batched_tokens=8192, snapshots=256)
-
-
-def tiny_hybrid_config():
-    """A small Qwen3.5-MoE text config (GDN + full attention, MoE) for the CPU smoke run."""
-    from transformers import AutoConfig
-    return AutoConfig.for_model(
-        "qwen3_5_moe_text", vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        shared_expert_intermediate_size=32, linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=4096,
-        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"])
 
 
 def chats(args, seed: int = 0) -> tuple[list[int], list[list[list[int]]], list[list[int]]]:
@@ -135,7 +126,6 @@ def build(args, caching: bool):
               max_model_len=args.max_model_len, block_size=args.block_size, enable_prefix_caching=caching,
               num_state_snapshots=args.snapshots)
     if args.device == "cuda":
-        from .engine import hf_config
         g01 = select.load("g01_gpu_engine")
         llm = g01.LLM(hf_config(args.model), gpu_memory_utilization=0.9, enforce_eager=args.enforce_eager, **kw)
     else:
@@ -153,7 +143,6 @@ def repeat_seeds(repeats: int) -> list[int]:
 
 def measure(args, caching: bool) -> list[dict]:
     import gc
-    from .engine import watch_compiles
     llm, SamplingParams, report = build(args, caching)
     # Triton compiles a kernel per specialisation on first use (0.1-1 s each, inside some request's TTFT): the
     # same workload with other tokens walks every path and shape first - prefill from zero and from a
@@ -179,27 +168,25 @@ def measure(args, caching: bool) -> list[dict]:
     return results
 
 
-def main(argv: list[str], say) -> int:
-    p = argparse.ArgumentParser(prog="./check.sh bench --workload multiturn", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", choices=["multiturn"], required=True)
-    p.add_argument("--model", default="qwen3.5-35b-a3b", choices=["qwen3.5-35b-a3b"])
-    p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when available")
-    for name in GPU_DEFAULTS:
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--num-kvcache-blocks", type=int, default=2048, help="CPU only (the GPU sizes it from memory)")
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--fixed-answers", action="store_true",
-                   help="every answer exactly --answer-len tokens (then the chats run in lockstep: every chat ends "
-                        "each turn in the same step and all next turns arrive at once)")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="timed runs per engine, each with its own tokens (the H200's run-to-run spread of the mean TTFT "
-                        "is tens of ms): the ratios are printed per run and their median is the result")
-    p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
-    if args.repeats < 1:
-        p.error(f"--repeats must be >= 1, got {args.repeats}")
+def results_table(results: list[dict]):
+    """Caching off and on, one row each: two-line headings and right-aligned numbers keep it within 80 columns, and a
+    narrower terminal folds a cell onto more lines instead of cutting it (as ./check.sh show does)."""
+    from rich import box
+    from rich.table import Table
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
+    table.add_column("prefix\ncaching", overflow="fold")
+    for heading in ("prompt\ntokens", "prefill\ncomputed", "snapshot\nhits", "TTFT ms\nmean", "TTFT ms\np50",
+                    "TTFT ms\np90", "output\ntok/s", "wall\ns"):
+        table.add_column(heading, justify="right", overflow="fold")
+    for r in results:
+        table.add_row("on" if r["caching"] else "off", str(r["prompt_tokens"]), str(r["prefill_computed"]),
+                      str(r["snapshot_hits"]), f"{r['mean_ttft_ms']:.1f}", f"{r['p50_ttft_ms']:.1f}",
+                      f"{r['p90_ttft_ms']:.1f}", f"{r['tok_per_s']:.0f}", f"{r['seconds']:.2f}")
+    return table
+
+
+def run(args, say) -> int:
+    """`./check.sh bench --workload multiturn [options]` (args parsed by cli.py; None: the device's default)."""
     import torch
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -213,19 +200,11 @@ def main(argv: list[str], say) -> int:
     args.vocab = 151936 if args.device == "cuda" else 512
     runs = list(zip(measure(args, caching=False), measure(args, caching=True)))
     results = list(runs[0])
-    from rich.table import Table
-    where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU, tiny dummy Qwen3.5-MoE"
-    table = Table(title=f"multiturn: {args.conversations} chats × {args.turns} turns, system prompt {args.system_len}, "
-                        f"message {args.message_len}, answer {'' if args.fixed_answers else '≈'}{args.answer_len}  ({args.model if args.device == 'cuda' else where}"
-                        f"{', ' + where if args.device == 'cuda' else ''})")
-    for col in ("prefix caching", "prompt tok", "prefill computed", "snapshot hits", "mean TTFT ms", "p50 ms",
-                "p90 ms", "output tok/s", "seconds"):
-        table.add_column(col)
-    for r in results:
-        table.add_row("on" if r["caching"] else "off", str(r["prompt_tokens"]), str(r["prefill_computed"]),
-                      str(r["snapshot_hits"]), f"{r['mean_ttft_ms']:.1f}", f"{r['p50_ttft_ms']:.1f}",
-                      f"{r['p90_ttft_ms']:.1f}", f"{r['tok_per_s']:.0f}", f"{r['seconds']:.2f}")
-    say(table)
+    where = (f"{args.model}, {torch.cuda.get_device_name()}" if args.device == "cuda"
+             else "CPU, tiny dummy Qwen3.5-MoE")
+    say(f"multiturn: {args.conversations} chats × {args.turns} turns, system prompt {args.system_len}, "
+        f"message {args.message_len}, answer {'' if args.fixed_answers else '≈'}{args.answer_len}  ({where})")
+    say(results_table(results))
     per_run = [dict(seed=off["seed"], prefill_ratio=off["prefill_computed"] / max(on["prefill_computed"], 1),
                     ttft_ratio=off["mean_ttft_ms"] / max(on["mean_ttft_ms"], 1e-9),
                     tok_s_ratio=on["tok_per_s"] / max(off["tok_per_s"], 1e-9)) for off, on in runs]

@@ -21,6 +21,8 @@ import random
 import re
 import time
 
+from .common import build_engine, replay_ms, time_calls, watch_compiles, workload
+
 # kernel name -> class (first match wins); everything else is "torch elementwise / other"
 KERNEL_CLASSES = [
     ("GEMM (cuBLAS)", r"gemm|gemv|nvjet|cutlass|xmma|cublas|splitKreduce|sm90_"),
@@ -122,9 +124,9 @@ def _say_split(title: str, split: dict, plain_ms: list[float], say) -> None:
             f"{name} ×{n} {ms:.2f} ms" for name, n, ms in split["top_other_kernels"][:8]))
 
 
-def profile_steps(args, prompts, out_lens, say) -> int:
-    import torch
-    from .engine import _replay_ms, _time_calls, build_engine, watch_compiles
+def profile_steps(args, say) -> int:
+    """`./check.sh bench --profile [options]` (args parsed by cli.py, the same options as the throughput run)."""
+    prompts, out_lens = workload(args.num_seqs, args.max_input_len, args.max_output_len)
     llm, SamplingParams, _ = build_engine(args, prompts)
     for p, n in zip(prompts, out_lens):
         llm.add_request(p, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n))
@@ -137,7 +139,7 @@ def profile_steps(args, prompts, out_lens, say) -> int:
         report["prefill"] = _split(prof, wall)
         decode_plain = []
         runner = getattr(llm.runner, "inner", llm.runner)
-        host, restore = _time_calls({"schedule": (llm.scheduler, "schedule"), "run": (llm.runner, "run"),
+        host, restore = time_calls({"schedule": (llm.scheduler, "schedule"), "run": (llm.runner, "run"),
                                      "prefill forward launch": (runner, "_run_prefill"),
                                      "postprocess": (llm.scheduler, "postprocess")})
         while llm.has_unfinished():                 # the remaining prefill / mixed steps, plainly timed
@@ -168,7 +170,7 @@ def profile_steps(args, prompts, out_lens, say) -> int:
         if runner.graphs:
             one = min(runner.graphs)
             context = sum(map(len, prompts)) // len(prompts)
-            _replay_ms(runner, one, context, runner.num_blocks)          # stage a batch-1 replay, then profile one
+            replay_ms(runner, one, context, runner.num_blocks)          # stage a batch-1 replay, then profile one
             prof, wall = _profiled(runner.graphs[one].replay)
             report["decode_graph_b1"] = _split(prof, wall)
             _say_split(f"one CUDA-graph replay at batch {one}, context {context} (the GPU floor of a small-batch step)",

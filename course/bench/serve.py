@@ -16,7 +16,6 @@ dict so that the GPU benchmark can print them beside its own.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
@@ -154,22 +153,8 @@ def bench_serve(llm, e01, e06, requests: int = 64, clients: int = 32, min_in: in
     return result
 
 
-def main(argv: list[str], say) -> int:
-    parser = argparse.ArgumentParser(prog="./check.sh bench --serve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="an HF model folder (default: the tiny dummy model, CPU smoke test)")
-    parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--clients", type=int, default=32)
-    parser.add_argument("--min-in", type=int, default=16)
-    parser.add_argument("--max-in", type=int, default=64)
-    parser.add_argument("--min-out", type=int, default=16)
-    parser.add_argument("--max-out", type=int, default=64)
-    parser.add_argument("--max-pending", type=int, help="the server's in-flight bound (default: never 503)")
-    parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--num-kvcache-blocks", type=int, default=512)
-    args = parser.parse_args(argv)
-    if not (1 <= args.min_in <= args.max_in and 1 <= args.min_out <= args.max_out and args.clients >= 1):
-        parser.error("need 1 <= --min-in <= --max-in, 1 <= --min-out <= --max-out and --clients >= 1")
+def run(args, say) -> int:
+    """`./check.sh bench --serve [options]` (args parsed and checked by cli.py)."""
     missing = missing_packages(("fastapi", "uvicorn", "httpx"))
     if missing:
         say(f"[red]bench --serve 需要 {', '.join(missing)}：pip install fastapi uvicorn httpx[/]")
