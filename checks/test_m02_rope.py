@@ -8,6 +8,7 @@ apply_rotary_pos_emb (full-dim interleaved MRoPE). RoPE has no weights; q, k and
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -24,7 +25,7 @@ from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerTextRotaryEmbedding
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb as hf_apply_omni
 
-from checks.kit import Rand, assert_close, assert_dtype, assert_equal, explain_crash, impl, point
+from checks.kit import Rand, assert_close, assert_dtype, assert_equal, crash_text, explain_crash, impl, point
 
 transformers.utils.logging.set_verbosity_error()
 
@@ -41,6 +42,9 @@ BF16 = "cos/sin 在 bf16 中计算或存储（cache 必须是 fp32；arange 要�
 CHUNKED = "MRoPE 按段连续切分（Qwen2-VL 的 TTT…HHH…WWW），而不是交错 THWTHW…"
 ONLY_T = "MRoPE 只用了 t 行位置，忽略了 h/w"
 BOUND = "交错规则的上界写成 i < sec[k]，应为 i < 3·sec[k]"
+UNCHECKED = "没有检查 rotary_dim（奇数、0 或大于 head_dim 时应抛 ValueError）"
+PERSISTENT = "register_buffer 没写 persistent=False（默认是 True），cos/sin 表或 MRoPE 的轴 buffer 进了 state_dict"
+TRUEDIV = "没有 head_dim 字段时用 / 算 head_dim（hidden_size / num_attention_heads 得到 float）"
 FORMULA = ("只有大位置处与 HF 不一致：inv_freq 或角度的 fp32 算法与 HF/vLLM 不同（例如 base**(-x) 或先用 fp64）。"
            "p≈30000 时 inv_freq 差 1 ulp，角度就差约 1e-3；请照抄 1.0 / base ** (arange(0, R, 2, dtype=float32) / R) "
            "与 outer(arange(P, dtype=float32), inv_freq)")
@@ -158,6 +162,33 @@ def assert_rope(actual, expected, positions, *, what, rand, looks_like=()):
         raise
 
 
+def assert_no_state(rope, *, what):
+    """RoPE has no weights: nothing of it may go into (or be expected from) a checkpoint."""
+    keys = list(rope.state_dict())
+    if keys:
+        buffers = dict(rope.named_buffers())
+        hint = f"\n  看起来像易错点：{PERSISTENT}" if all(k in buffers for k in keys) else ""
+        raise AssertionError(f"{what}：state_dict() 应为空（RoPE 没有权重，checkpoint 里没有这些键，"
+                             f"按 state_dict 严格加载会报 Missing key），得到 {keys}{hint}")
+
+
+def assert_attributes(rope, name: str, **want) -> None:
+    """The attributes the card names (later exercises read rope.rotary_dim); head_dim / rotary_dim are ints."""
+    for attr, expected in want.items():
+        if not hasattr(rope, attr):
+            raise AssertionError(f"{name}：RotaryEmbedding 应有属性 {attr}（= {expected!r}）")
+        got = getattr(rope, attr)
+        if attr == "mrope_section" and got is not None:
+            got = list(got)
+        if attr in ("head_dim", "rotary_dim") and not (isinstance(got, int) and not isinstance(got, bool)):
+            hint = (f"\n  看起来像易错点：{TRUEDIV}"
+                    if attr == "head_dim" and isinstance(got, float) and got == expected else "")
+            raise AssertionError(f"{name}：rope.{attr} 应为 int {expected}，得到 {got!r}（{type(got).__name__}）；"
+                                 f"拿它当形状用（view、empty）会报 TypeError{hint}")
+        if got != expected:
+            raise AssertionError(f"{name}：rope.{attr} 应为 {expected!r}，得到 {got!r}")
+
+
 def build_under_bf16_default(m, *args):
     """Construct while torch's default dtype is bf16, as an engine loading a bf16 model does."""
     old = torch.get_default_dtype()
@@ -225,7 +256,7 @@ def test_cache_fp32_precise():
     assert list(cache.shape) == [P, rd], (
         f"cos_sin_cache 形状应为 [max_position, rotary_dim] = {[P, rd]}，得到 {list(cache.shape)}"
         + (f"\n  看起来像易错点：{ALLDIMS}" if cache.shape[-1] == head_dim != rd else ""))
-    assert "cos_sin_cache" not in rope.state_dict(), "cos_sin_cache 应以 persistent=False 注册（它不是 checkpoint 里的权重）"
+    assert_no_state(rope, what=f"RotaryEmbedding({head_dim}, {rd}, {P}, {base:g})")
 
     # first 64 positions against the fp64 closed form: fp32 is good to ~1e-6 here, bf16 only to ~2e-3
     p64 = torch.arange(64, dtype=torch.float64)
@@ -314,6 +345,24 @@ def test_partial_rotary_vs_qwen35():
     assert_rope(k_out, k_ref, positions, what="k", rand=r)
     assert_equal(q_out[..., rd:], q_in[..., rd:], what=f"q[..., {rd}:]（不旋转的维度应原样通过）", rand=r)
 
+    # rotary_dim must be even and in (0, head_dim]: every run tries an odd one, 0 and one past head_dim
+    bad = [(2 * r.int(0, head_dim // 2 - 1) + 1,
+            "奇数的 rotary_dim 没法按 (i, i+R/2) 两两配对，到 forward 才以形状错误崩溃"),
+           (0, "rotary_dim = 0 时什么都不转，位置信息悄悄丢光"),
+           (head_dim + 2 * r.int(1, 4),
+            "rotary_dim 大于 head_dim 时 q[..., :R] 只有 head_dim 维，到 forward 才以形状错误崩溃")]
+    for rd_bad, why in bad:
+        call = f"RotaryEmbedding(head_dim={head_dim}, rotary_dim={rd_bad}, max_position=64, base={theta:g})"
+        try:
+            m.RotaryEmbedding(head_dim, rd_bad, 64, theta)
+        except ValueError:
+            continue
+        except NotImplementedError:
+            raise
+        except Exception as exc:
+            raise AssertionError(f"{call} 应抛 ValueError（{why}），得到 {crash_text(exc)}；{r}") from exc
+        raise AssertionError(f"{call} 应抛 ValueError（{why}），却构造成功了；{r}\n  看起来像易错点：{UNCHECKED}")
+
 
 @point("交错 MRoPE（不同 t/h/w 位置）与 HF Qwen3.5、Omni thinker 一致")
 def test_interleaved_mrope_vs_hf():
@@ -323,8 +372,10 @@ def test_interleaved_mrope_vs_hf():
     # the rule itself (card 逐步图 ③)
     assert_equal(m.mrope_axes(4, [2, 1, 1]), torch.tensor([0, 1, 2, 0]), what="mrope_axes(4, [2, 1, 1])",
                  looks_like=[(ref_axes(4, [2, 1, 1], "chunked"), CHUNKED), (ref_axes(4, [2, 1, 1], "bound"), BOUND)])
-    for half, sec in ((32, [11, 11, 10]), (64, [24, 20, 20])):
-        assert_equal(m.mrope_axes(half, sec), ref_axes(half, sec), what=f"mrope_axes({half}, {sec})",
+    # [3, 2, 1]: H and W have different bounds (3·2 = 6, 3·1 = 3), and i = 5 (5 % 3 == 2, 5 ≥ 3) is past W's one
+    for half, sec in ((32, [11, 11, 10]), (64, [24, 20, 20]), (6, [3, 2, 1])):
+        rule = f"（H 若 i % 3 == 1 且 i < {3 * sec[1]}，W 若 i % 3 == 2 且 i < {3 * sec[2]}，其余 T）"
+        assert_equal(m.mrope_axes(half, sec), ref_axes(half, sec), what=f"mrope_axes({half}, {sec}){rule}",
                      looks_like=[(ref_axes(half, sec, "chunked"), CHUNKED), (ref_axes(half, sec, "bound"), BOUND)])
 
     # card 逐步图 ③: R = 8, [2, 1, 1], token 0 at (t, h, w) = (5, 2, 7), token 1 text at 4
@@ -341,6 +392,7 @@ def test_interleaved_mrope_vs_hf():
                              (ref_rope(cache, pos, x, 8, axes, style="gptj"), GPTJ),
                              (ref_rope(cache, pos, x, 8, axes, style="reverse"), SIGN),
                              (ref_rope(cache.bfloat16().float(), pos, x, 8, axes), BF16)])
+    assert_no_state(rope, what="RotaryEmbedding(8, 8, 64, 10000.0, mrope_section=[2, 1, 1])")
 
     # random sizes (or the real ones) against both HF families, distinct t/h/w positions
     real = r.int(0, 1)
@@ -452,3 +504,28 @@ def test_rope_from_config():
         theta_used = cfg.rope_parameters["rope_theta"]
         assert_rope(q_out, q_ref, positions, what=f"{name} 的 q（rotary_dim={rd}, theta={theta_used:g}）", rand=r)
         assert_rope(k_out, k_ref, positions, what=f"{name} 的 k", rand=r)
+        assert_attributes(rope, name, head_dim=full, rotary_dim=rd, max_position=cfg.max_position_embeddings,
+                          base=theta_used, mrope_section=list(hf_rotary.mrope_section) if axes == 3 else None)  # HF's own
+
+    # rope_parameters without rope_theta (and no rope_theta attribute): the default base 10000.0, which is also
+    # what HF's config fills in for Qwen3-MoE when a config.json leaves it out
+    cfg = Qwen3MoeConfig(hidden_size=4 * head_dim, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=P)
+    hf_rotary = Qwen3MoeRotaryEmbedding(cfg)
+    bare = copy.deepcopy(cfg)
+    bare.rope_parameters = {"rope_type": "default"}
+    name = "rope_parameters = {'rope_type': 'default'}（没有 rope_theta）的 Qwen3MoeConfig"
+    try:
+        rope = m.rope_from_config(bare)
+    except KeyError as exc:
+        raise AssertionError(f"{name}：运行出错 KeyError: {exc}；rope_parameters 和属性里都没有 rope_theta 时，"
+                             f"base 应取默认的 10000.0") from exc
+    positions = packed_positions(r)
+    n = positions.numel()
+    q, k = r.randn(n, 4, head_dim), r.randn(n, 2, head_dim)
+    q_ref, _ = hf_rope(hf_rotary, hf_apply, positions[None], q, k)
+    q_out, _ = rope(positions, q, k)
+    assert_rope(q_out, q_ref, positions, what=f"{name} 的 q（base 应为默认的 10000.0）", rand=r)
+    assert_attributes(rope, name, head_dim=head_dim, rotary_dim=head_dim, max_position=P, base=10000.0,
+                      mrope_section=None)
+
