@@ -107,6 +107,16 @@ def _subpages(page: str, listed: set[str]) -> list:
     return out
 
 
+def card_title(ex, catalogue) -> str:
+    """A card's short title in the nav and the PDF's table of contents: its title up to the first '：'
+    ("RMSNorm 家族"), unless that head is shared by several exercises (k01-k04 all start "Triton："), where
+    it names none of them: then the rest, without a trailing parenthesis ("fused MoE")."""
+    head, _, rest = ex.title.partition("：")
+    if not rest or sum(e.title.partition("：")[0] == head for e in catalogue) == 1:
+        return head
+    return re.sub(r"（[^（）]*）$", "", rest).strip()
+
+
 def summary_nav() -> list:
     """MkDocs nav from SUMMARY.md: `## heading` opens a section, `- [title](path.md)` adds a page (and the
     pages of its folder that an index page links to)."""
@@ -121,7 +131,7 @@ def summary_nav() -> list:
         elif m := re.match(r"\s*[-*] \[(.+?)\]\(([^)#]+\.md)\)", line):
             section.append({m.group(1): m.group(2)})
             section.extend(_subpages(m.group(2), listed))
-    cards = [{f"{ex.id} · {ex.title.split('：')[0]}": f"lessons/{ex.card.name}"} for ex in registry.written()]
+    cards = [{f"{ex.id} · {card_title(ex, registry.CATALOGUE)}": f"lessons/{ex.card.name}"} for ex in registry.written()]
     nav.append({"练习卡片": cards})
     nav.append({"PDF 版（全书）": PDF.name})       # build() copies the PDF into the site
     return nav
@@ -252,6 +262,20 @@ def build_site(nav: list) -> None:
              and not ln.startswith(("Building prefix dict", "Loading model", "Prefix dict"))]
     if noise:
         print("\n".join(noise), file=sys.stderr)
+    relative_404(SITE / "404.html")
+
+
+def relative_404(page: Path) -> None:
+    """MkDocs writes the 404 page's links from the server root ("/assets/...", "/index.html") when there is no
+    site_url: they break when the site is opened from a folder or served under a path. The page sits at the
+    site's root, so the same links without the leading '/' (and the theme's base "." like every other root
+    page) work wherever the folder is."""
+    if not page.is_file():
+        return
+    text = page.read_text(encoding="utf-8")
+    text = re.sub(r'\b(href|src|action)="/(?!/)', r'\1="', text)
+    text = text.replace('"base": "/"', '"base": "."')
+    page.write_text(text, encoding="utf-8")
 
 
 # ---------------------------------------------------------------- serving and printing
