@@ -452,30 +452,56 @@ M_PADDED_ROWS = ("GPUModelRunner._run_decode 的契约：返回 hidden [b, H]，
 M_STALE = ("replay 前换掉了静态 buffer，而不是拷进去：graph 读的是 capture 时那块内存（应是 "
            "static[name][:bs].copy_(本步的值)，不是 static[name] = 本步的值）")
 M_BUCKET = "选桶选成了不大于 b 的最大桶：应选不小于 b 的最小桶（b 个序列都要有一行）"
+M_BUCKET_EDGE = ("选桶时漏了等号：b 等于桶的大小时应该就用这个桶（不小于 b 的最小桶，条件是 桶 >= b，不是 桶 > b）；"
+                 "b = max_num_seqs 时比它大的桶根本没有，会退回 eager")
+M_STALE_SLOTS = ("补齐行的 slot 还是上一步的：只把前 b 行拷进了静态 buffer，第 b..bs−1 行留着上一步那些序列的 slot，"
+                 "replay 会把补齐行的 K/V 写进别人的 cache（整个桶都要拷：static[\"slots\"][:bs].copy_(补齐到 bs 行的"
+                 " slots)，补齐行为 −1）")
+M_STALE_GDN = ("补齐行的 GDN 槽位还是上一步的：只把前 b 行拷进了静态 buffer，第 b..bs−1 行留着上一步那些序列的槽位，"
+               "replay 会改写别人的 conv / recurrent 状态（整个桶都要拷：static[\"gdn\"][:bs].copy_(补齐到 bs 行的 gdn)，"
+               "补齐行为 −1）")
+INPUTS = ("ids", "pos", "slots", "lens", "gdn", "tables")
 
 
 class _FakeGraph:
     """Stands in for a captured CUDA graph on the CPU: replay() reads the static tensors it was captured with (a
     real graph reads those addresses, whatever the dict holds now) and writes, for each of its bs rows,
-    out = [id, position, slot, context length, GDN slot, first block of the table]."""
+    out = [id, position, slot, context length, GDN slot, first block of the table]; `seen` keeps the inputs of
+    all bs rows (padding included) as the last replay read them."""
 
     def __init__(self, static: dict, bs: int, log: list):
-        self.captured, self.bs, self.log = dict(static), bs, log
+        self.captured, self.bs, self.log, self.seen = dict(static), bs, log, None
 
     def replay(self) -> None:
         t, bs = self.captured, self.bs
         self.log.append(bs)
+        self.seen = {k: t[k][:bs].clone() for k in INPUTS}
         cols = (t["ids"][:bs], t["pos"][:bs], t["slots"][:bs], t["lens"][:bs], t["gdn"][:bs], t["tables"][:bs, 0])
         t["out"][:bs] = torch.stack([c.float() for c in cols], dim=1)
 
 
+class _FakeModel:
+    """The eager forward of a runner without a model: records that it ran (a step with a graph must not)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, ids, *args, **kwargs):
+        self.calls += 1
+        return torch.zeros(ids.shape[0], 6)
+
+
 def _fake_runner(m, r: Rand, max_num_seqs: int = 8, block_size: int = 4, max_blocks: int = 3):
     """A GPUModelRunner without a model or a GPU: the static buffers the card names (dtypes as capture_cudagraphs
-    makes them), a _FakeGraph per bucket and an unpinned staging buffer. Returns (runner, replayed buckets, rows
-    asked of _decode_inputs)."""
+    makes them), a _FakeGraph per bucket, a GDN pool that only knows each sequence's slot (a hybrid model: the
+    padding rows' GDN slots matter) and an unpinned staging buffer. Returns (runner, replayed buckets, rows asked of
+    _decode_inputs)."""
+    from types import SimpleNamespace
     runner = object.__new__(m.GPUModelRunner)
     runner.block_size, runner.max_num_seqs, runner.max_blocks_per_seq = block_size, max_num_seqs, max_blocks
-    runner.device, runner.dtype, runner.gdn_pool = torch.device("cpu"), torch.float32, None
+    runner.device, runner.dtype = torch.device("cpu"), torch.float32
+    runner.gdn_pool = SimpleNamespace(slot_of={}, conv={}, ssm={})
+    runner.model = _FakeModel()
     runner.host = torch.zeros(max_num_seqs * (5 + max_blocks) + 8, dtype=torch.int64)
     rows = max_num_seqs
     runner.static = {"ids": torch.zeros(rows, dtype=torch.int64), "pos": torch.zeros(rows, dtype=torch.int64),
@@ -490,33 +516,58 @@ def _fake_runner(m, r: Rand, max_num_seqs: int = 8, block_size: int = 4, max_blo
     return runner, replayed, asked
 
 
-def _decode_batch(e02, r: Rand, n: int, block_size: int, max_blocks: int):
-    """n decode sequences with random lengths and block tables, and the rows the fake graph should return."""
+def _decode_batch(e02, r: Rand, n: int, runner):
+    """n decode sequences with random lengths, block tables and GDN slots, and the rows the fake graph should
+    return."""
+    P, max_blocks = runner.block_size, runner.max_blocks_per_seq
     seqs, want = [], []
-    for _ in range(n):
-        length = r.int(1, block_size * max_blocks)
+    for gdn_slot in r.py.sample(range(runner.max_num_seqs + 1), n):
+        length = r.int(1, P * max_blocks)
         seq = e02.Sequence(r.randint(1, 1000, (length,)).tolist())
         seq.num_cached_tokens = length - 1
         seq.num_scheduled_tokens = 1
-        seq.block_table = r.randint(0, 50, (-(-length // block_size),)).tolist()
+        seq.block_table = r.randint(0, 50, (-(-length // P),)).tolist()
+        runner.gdn_pool.slot_of[seq.seq_id] = gdn_slot
         c = length - 1
-        slot = seq.block_table[c // block_size] * block_size + c % block_size
+        slot = seq.block_table[c // P] * P + c % P
         seqs.append(seq)
-        want.append([seq.last_token, c, slot, c + 1, -1, seq.block_table[0]])
+        want.append([seq.last_token, c, slot, c + 1, gdn_slot, seq.block_table[0]])
     return seqs, torch.tensor(want, dtype=torch.float32)
 
 
-@point("decode 一步的契约（CPU 上用假的 CUDA graph）：选不小于 b 的最小桶、把本步的输入拷进静态 buffer（不换掉）、只返回真实的 b 行")
+def _padding_rows(seen: dict, before: dict, n: int, what: str, r: Rand) -> None:
+    """The padding rows n..bs-1 a replay read: slot -1 and GDN slot -1, whatever the previous step left there."""
+    for name, label, stale in (("slots", "slot", M_STALE_SLOTS), ("gdn", "GDN 槽位", M_STALE_GDN)):
+        pad = seen[name][n:]
+        if not pad.numel() or bool((pad == -1).all()):
+            continue
+        old = before[name][n:n + pad.numel()].to(pad.dtype)
+        if torch.equal(pad, old) and bool((old != -1).any()):
+            hint = f"\n  看起来像易错点：{stale}"
+        elif bool((pad == 0).all()):
+            hint = f"\n  看起来像易错点：padding 行的 {label} 用了 0 而不是 −1"
+        else:
+            hint = ""
+        raise AssertionError(f"{what}：replay 时补齐行（第 {n}..{n + pad.numel() - 1} 行）的 {label}：{pad.tolist()}，"
+                             f"应全为 −1（补齐行哪里都不写）；上一步结束时这几行是 {old.tolist()}{hint}；{r}")
+
+
+@point("decode 一步的契约（CPU 上用假的 CUDA graph）：选不小于 b 的最小桶（b 等于桶的大小时就用这个桶）、把本步的输入拷进静态 buffer（不换掉）、补齐行的 slot 与 GDN 槽位重设为 −1、只返回真实的 b 行")
 def test_decode_step_contract():
     m, e02 = impl(MODULE), impl("e02_block_manager")
     r = Rand()
     runner, replayed, asked = _fake_runner(m, r)
     source = Path(m.__file__).name
-    for step, n in enumerate((r.choice([3, 5, 6, 7]), r.choice([3, 5, 6, 7]))):      # never a bucket size: padding
-        seqs, want = _decode_batch(e02, r, n, runner.block_size, runner.max_blocks_per_seq)
+    # buckets 1, 2, 4, 8. Step 1 fills rows 0..5 or 0..6 of bucket 8; step 2 is exactly a bucket's size (the
+    # boundary, 8 included: no larger bucket); step 3 pads rows that step 1 gave real slots (bucket 4 or 8)
+    sizes = (r.choice([6, 7]), r.choice([1, 2, 4, 8]), r.choice([3, 5]))
+    for step, n in enumerate(sizes):
+        seqs, want = _decode_batch(e02, r, n, runner)
         bucket = next(b for b in sorted(runner.graphs) if b >= n)
         replayed.clear(), asked.clear()
+        calls = runner.model.calls
         captured = runner.graphs[bucket].captured
+        before = {k: captured[k].clone() for k in ("slots", "gdn")}      # what the previous step left in the buffers
         what = f"第 {step + 1} 步，b = {n} 个序列（应选桶 {bucket}）"
         try:
             hidden = runner._run_decode(seqs)
@@ -528,17 +579,22 @@ def test_decode_step_contract():
                                  + (f"（它用了 {small[0]} 行）\n  看起来像易错点：{M_BUCKET}" if small else "")) from exc
         small = [x for x in asked + replayed if x < n]
         assert not small, f"{what}：用了 {small[0]} 行的桶\n  看起来像易错点：{M_BUCKET}；{r}"
+        edge = f"\n  看起来像易错点：{M_BUCKET_EDGE}" if n == bucket else ""
+        assert runner.model.calls == calls, (f"{what}：有 {bucket} 行的 graph，却走了 eager 前向（没有 replay）"
+                                             f"{edge}；{r}")
         assert replayed == [bucket], (f"{what}：应 replay 桶 {bucket} 的 graph 一次，实际 replay 了 {replayed or '没有'}"
-                                      "（有图时 decode 走 graph）；{r}")
+                                      f"（有图时 decode 走 graph）"
+                                      f"{edge if replayed and replayed[0] > bucket else ''}；{r}")
         assert isinstance(hidden, torch.Tensor), f"{what}：_run_decode 应返回 hidden 张量，得到 {type(hidden).__name__}"
         assert hidden.shape[0] == n, (f"{what}：{source} 的 GPUModelRunner._run_decode 返回了 {hidden.shape[0]} 行，应为 "
                                       f"{n} 行\n  看起来像易错点：{M_PADDED_ROWS}")
-        swapped = [k for k in ("ids", "pos", "slots", "lens", "gdn", "tables") if runner.static[k] is not captured[k]]
+        swapped = [k for k in INPUTS if runner.static[k] is not captured[k]]
         if not torch.equal(hidden.float(), want):
             assert not swapped, (f"{what}：graph 读到的输入不是本步的（static 里的 {swapped} 已不是 capture 时的张量）"
                                  f"\n  看起来像易错点：{M_STALE}；{r}")
             raise AssertionError(f"{what}：replay 的输出与本步的输入不符（每行 [id, pos, slot, len, gdn, 第一个 block]）\n"
                                  f"  得到 {hidden.tolist()}\n  期望 {want.tolist()}；{r}")
+        _padding_rows(runner.graphs[bucket].seen, before, n, what, r)
 
 
 def _wins_hint(wins: int, rows: int, temp: float, width: int) -> str:
@@ -611,3 +667,48 @@ def test_device_sampler_fast_path():
         assert abs(wins - rows / 2) <= 23, (
             f"T={t}：高出 T·log(V−1) 的 token 在 softmax(x/T) 下的概率是 1/2，{rows} 次采样应赢约 {rows // 2} 次"
             f"（±23），实际 {wins} 次{_wins_hint(wins, rows, t, width)}；{r}")
+
+
+M_FILTER = ("DeviceSampler 的快路径漏了 {name}：有 {name} 的行也走了单遍 kernel，过滤被忽略（batch 里有一行带 top-k / "
+            "top-p / min-p，整批就交给 e01 的 Sampler：super().__call__(logits, params, generators)）")
+M_SEEDED = ("有 seed 的请求没有用它自己的 generator：有各自 generator 的 batch 走了单遍 kernel 的快路径（噪声来自全局 "
+            "RNG），或没把 generators 交给 e01 的 Sampler；这样的 batch 应整批交给 super().__call__(logits, params, "
+            "generators)")
+
+
+@point("DeviceSampler 的分流：有 top-k / top-p / min-p 的 batch 按过滤后的分布采样；有 seed 的请求与 e01 的 Sampler 单独运行同一个 seed 的 token 相同")
+def test_device_sampler_routing():
+    m, e01 = impl(MODULE), impl("e01_sampling")
+    r = Rand()
+    dev = "cuda" if CUDA else "cpu"
+    sampler = m.DeviceSampler()
+    width, rows = r.choice([1000, 1500, 2000]), 32
+    # one token at log(V-1) above V-1 zeros: probability 1/2 at T = 1, and the only one each filter keeps
+    star = r.int(0, width - 1)
+    batch = torch.zeros(rows, width)
+    batch[:, star] = math.log(width - 1)
+    filters = {"min_p": dict(min_p=r.choice([0.05, 0.1, 0.3])), "top_k": dict(top_k=1), "top_p": dict(top_p=0.4)}
+    for name in r.py.sample(sorted(filters), len(filters)):          # one filter per batch: any one sends it to e01
+        params = [e01.SamplingParams(temperature=1.0, **filters[name])] * rows
+        got = sampler(batch.to(dev), params, [None] * rows).cpu()
+        other = int((got != star).sum())
+        assert other == 0, (f"{name}={filters[name][name]}（T=1）只留下 token {star}（过滤前概率 1/2，其余 {width - 1} 个"
+                            f"各约 {0.5 / (width - 1):.1e}），{rows} 行里却有 {other} 行抽到了别的 token"
+                            f"\n  看起来像易错点：{M_FILTER.format(name=name)}；{r}")
+    # seeded requests among unseeded ones: each must draw what e01's Sampler draws for that seed alone, call after call
+    n = 6
+    logits = torch.randn(n, width, generator=r.gen)
+    seeded = sorted(r.py.sample(range(n), 3))
+    seeds = {i: r.int(0, 2**31 - 1) for i in seeded}
+    params = [e01.SamplingParams(temperature=r.choice([0.7, 1.0, 1.3]), seed=seeds.get(i)) for i in range(n)]
+    gens = [e01.make_generator(seeds.get(i), dev) for i in range(n)]
+    alone = {i: e01.make_generator(seeds[i], dev) for i in seeded}
+    ref = e01.Sampler()
+    for call in (1, 2):
+        got = sampler(logits.to(dev), params, gens).cpu()
+        for i in seeded:
+            want = int(ref(logits[i:i + 1].to(dev), [params[i]], [alone[i]]).cpu()[0])
+            assert int(got[i]) == want, (
+                f"第 {call} 次调用：第 {i} 行（seed={seeds[i]}，T={params[i].temperature}）和没有 seed 的行同批时抽到 "
+                f"{int(got[i])}，e01 的 Sampler 单独运行同一个 seed 得到 {want}（同一个 seed 的请求，batch 里有什么都应"
+                f"抽到同样的 token）\n  看起来像易错点：{M_SEEDED}；{r}")

@@ -25,6 +25,8 @@ M_STATS_DTYPE = "平方和在 x.dtype（fp16/bf16）里算：统计量必须先 
 M_BLOCK_MEAN = "均值除以了 BLOCK_H（补齐到 2 的幂的块宽）而不是真实的 H"
 M_CAST_ORDER = "cast 顺序写反：Qwen3 是先 n.to(x.dtype) 再乘 w，(1+w) norm 是在 fp32 里乘完再 cast"
 M_GEMMA_W = "(1+w) norm 乘了 w 而不是 1 + w"
+M_GEMMA_DTYPE = ("(1+w) 在权重的 dtype 里算：w load 出来没有 .to(tl.float32)，1 + w 在 fp16 / bf16 里相加就舍入了"
+                 "（m01 / HF 是 1.0 + w.float()，在 fp32 里加）")
 M_SUM_UNROUNDED = "对未舍入的 fp32 和 x + residual 求统计量：应先把和舍入到 x.dtype（与 HF / m01 一致），再求 norm"
 M_RES_OUT = "返回的 residual 不是 x + residual"
 M_EPS_OUT = "eps 放在了根号外（h / (sqrt(mean) + eps)）：应为 h · rsqrt(mean(h²) + eps)，范数很小的行差别很大"
@@ -227,32 +229,43 @@ def test_cast_order_fp16():
     r = Rand()
     h = 128
     x, res = r.randn(64, h, dtype=torch.float16), r.randn(64, h, dtype=torch.float16)
-    w = r.randn(h, scale=0.3, dtype=torch.float16) + 1
+    # Qwen3's weights sit near 1, (1+w) weights near 0. The (1+w) ones are drawn at full fp16 precision around 0
+    # (not as w - 1 of a weight near 1, which makes 1 + w exact in fp16): 1 + w rounded in fp16 then loses their low
+    # bits in ~70 % of the columns and moves ~1/4 of the outputs by an ulp
+    weights = {False: r.randn(h, scale=0.3, dtype=torch.float16) + 1, True: r.randn(h, scale=0.3, dtype=torch.float16)}
     for gemma in (False, True):
-        ww = w - 1 if gemma else w
+        ww = weights[gemma]
         out, s = _call(m, x, res, ww, 1e-6, gemma)
         ref, ref_s = _m01_fused(x, res, ww, 1e-6, gemma)
         assert out.dtype == torch.float16, f"fp16 输入应返回 fp16，得到 {out.dtype}"
         assert_equal(s, ref_s, what="fp16 的 residual 和", rand=r)
         hit = _ulp_match(out, ref)
         if hit < 0.98:
-            other = (_m01_fused(x, res, ww + 1, 1e-6, False)[0] if gemma
-                     else _m01_fused(x, res, ww - 1, 1e-6, True)[0])
-            sf = x.float() + res.float()                                          # the sum, never rounded
-            n = sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + 1e-6)
-            unrounded = ((n * (1 + ww.float())).half() if gemma else ww * n.half())
             ulps = int((out.view(torch.int16).int() - ref.view(torch.int16).int()).abs().max())
             msg = (f"add_rms_norm fp16（gemma={gemma}）只有 {hit:.1%} 的元素与 m01 逐位相同（应 ≥ 98%），"
                    f"最多相差 {ulps} 个 fp16 ulp；{r}")
-            if _ulp_match(out, other) >= 0.98:
-                msg += f"\n  看起来像易错点：{M_CAST_ORDER}"
-            elif _ulp_match(out, unrounded) >= 0.98:
-                msg += f"\n  看起来像易错点：{M_SUM_UNROUNDED}"
+            for wrong, mistake in _fp16_variants(x, res, ww, gemma):
+                if _ulp_match(out, wrong) >= 0.98:
+                    msg += f"\n  看起来像易错点：{mistake}"
+                    break
             else:                                         # none of the known orders: say what was compared
-                msg += ("\n  与两种 cast 顺序、未舍入的和都对不上；cast 顺序的差别最多 1 个 ulp，"
-                        "差得更多时先看统计量是否在 fp32 里算（下一项检查）")
+                msg += ("\n  与两种 cast 顺序、未舍入的和" + ("、fp16 里相加的 (1+w)" if gemma else "")
+                        + "都对不上；cast 顺序的差别最多 1 个 ulp，差得更多时先看统计量是否在 fp32 里算（下一项检查）")
             raise AssertionError(msg)
         assert_close(out, ref, what=f"add_rms_norm fp16（gemma={gemma}）", rand=r, atol=1e-2, rtol=1e-2)
+
+
+def _fp16_variants(x, res, w, gemma):
+    """The classic wrong answers of the fp16 norm of x + res: the other cast order, the sum never rounded, and for
+    the (1+w) norm 1 + w added in w's dtype."""
+    def normed(h):
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+    n, n_unrounded = normed((x + res).float()), normed(x.float() + res.float())
+    if gemma:
+        return [(((1 + w.float()) * n.half().float()).half(), M_CAST_ORDER),
+                ((n_unrounded * (1 + w.float())).half(), M_SUM_UNROUNDED),
+                ((n * (1 + w).float()).half(), M_GEMMA_DTYPE)]
+    return [((n * w.float()).half(), M_CAST_ORDER), (w * n_unrounded.half(), M_SUM_UNROUNDED)]
 
 
 @point("统计量在 fp32 里算（fp16 大数值不溢出）")

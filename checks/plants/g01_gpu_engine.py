@@ -1,6 +1,6 @@
 """Every 易错点 of lessons/g01_gpu_engine.md, planted into a copy of the reference. The selftest grades them on a
-CUDA machine; the sampler, bucket, static-buffer and returned-rows plants are also caught by the checks that run
-on the CPU (the fake-graph decode contract, the sampler under the Triton interpreter)."""
+CUDA machine; every plant but host_sync_in_capture is also caught by the checks that run on the CPU (the card
+example, the fake-graph decode contract, the sampler and its routing under the Triton interpreter)."""
 
 from checks.plants import Plant
 
@@ -22,6 +22,16 @@ PLANTS = [
           old="        bs = next((b for b in sorted(self.graphs) if b >= n), None)\n",
           new="        bs = next((b for b in sorted(self.graphs, reverse=True) if b <= n), None)\n",
           expect="不大于 b 的最大桶"),
+    Plant("bucket_strict", "选桶时漏了等号（桶 > b）：b 等于桶的大小时用了下一个桶，b = max_num_seqs 时退回 eager",
+          old="        bs = next((b for b in sorted(self.graphs) if b >= n), None)\n",
+          new="        bs = next((b for b in sorted(self.graphs) if b > n), None)\n",
+          expect="选桶时漏了等号"),
+    Plant("padding_keeps_stale_slots", "只把前 b 行拷进静态 buffer：补齐行的 slot 留着上一步那些序列的",
+          old='        s["slots"][:bs].copy_(slots)\n', new='        s["slots"][:n].copy_(slots[:n])\n',
+          expect="补齐行的 slot 还是上一步的"),
+    Plant("padding_keeps_stale_gdn", "只把前 b 行拷进静态 buffer：补齐行的 GDN 槽位留着上一步那些序列的",
+          old='        s["gdn"][:bs].copy_(gdn)\n', new='        s["gdn"][:n].copy_(gdn[:n])\n',
+          expect="补齐行的 GDN 槽位还是上一步的"),
     Plant("decode_returns_padded_rows", "_run_decode 返回了补齐到桶大小的所有行（应只返回真实的 b 行）",
           old='        return s["out"][:n]\n', new='        return s["out"][:bs]\n',
           expect="只有本步真实的 b 行"),
@@ -43,4 +53,10 @@ PLANTS = [
     Plant("sampler_same_seed_every_call", "每次调用都用同一个种子（每一步的噪声都一样）",
           old="        seed = int(torch.randint(0, 2**31 - 1, (1,)))", new="        seed = 1234",
           expect="同一个种子"),
+    Plant("sampler_fast_path_ignores_min_p", "快路径的条件漏了 min-p：有 min_p 的行也走了单遍 kernel",
+          old="p.top_k or p.top_p < 1 or p.min_p > 0 for p in params", new="p.top_k or p.top_p < 1 for p in params",
+          expect="快路径漏了 min_p"),
+    Plant("sampler_fast_path_ignores_seed", "快路径的条件漏了各自的 generator：有 seed 的请求用了全局 RNG 的噪声",
+          old=" or any(g is not None for g in generators):", new=":",
+          expect="没有用它自己的 generator"),
 ]

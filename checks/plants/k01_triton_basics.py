@@ -28,6 +28,10 @@ PLANTS = [
           old="out = n * (1.0 + w)",
           new="out = n * w",
           expect="1 + w"),
+    Plant("gemma_one_plus_w_in_weight_dtype", "(1+w) 在权重的 dtype 里算（w 没有先转 fp32）",
+          old="    w = tl.load(w_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)\n",
+          new="    w = tl.load(w_ptr + cols, mask=cols < hidden, other=0.0)\n",
+          expect="(1+w) 在权重的 dtype 里算"),
     Plant("sum_not_rounded", "对未舍入的 fp32 和求统计量",
           old="        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)           # the sum, rounded to x.dtype\n"
               "        tl.store(res_out_ptr + rows * stride_ro + cols, x, mask=mask)\n"
