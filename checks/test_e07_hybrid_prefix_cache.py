@@ -3,10 +3,17 @@
 Unit checks drive chunk_end and StateCache on e02's block manager and e04's state pool (a tiny m06 hybrid);
 the engine checks run e05's LLM with prefix caching on for both hybrid families on a multi-turn chat that
 shares a system prompt, against caching off and HF `generate` (greedy, eager, fp32).
+
+Every adversarial case is built into the draw, whatever the seed: several snapshots compete in every lookup
+(the longest usable one must win), block ids never equal their positions, an uncomputed block sits inside the
+hit run before a computed one with a snapshot, the store is full when a row is taken (with dead entries behind
+a live LRU front), a prompt ends exactly on a block boundary, and a preempted sequence is recomputed in
+multi-token chunks that start inside its prompt and end past it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import tempfile
 from pathlib import Path
@@ -35,6 +42,26 @@ NO_SSM = "restore 只恢复了 conv state，没有恢复 recurrent state（ssm�
 NO_TOUCH = "命中后没有把快照移到 LRU 队尾（move_to_end）：最常用的 system prompt 快照会最先被逐出"
 EVICT_NEWEST = "预算满时逐出了最新的快照（popitem(last=True)），而不是最久未用的（队首）"
 NO_SLOT = "restore 没有先 pool.allocate(seq)：状态拷进了别人的槽位，序列自己从零状态开始"
+NO_PURGE = ("快照库满时没有先 purge 就逐出了 LRU 队首：KV 已不在缓存里的快照再也够不着，却留着它们、扔掉了一份还能命中的"
+            "（_take_row：free_rows 空了先 purge，还没有空行才逐出队首）")
+ROW_LEAK = ("被替换（或被 purge）的快照，行没有还回 free_rows：这一行既不在 entries 里也不在 free_rows 里，再也用不上，"
+            "预算一次少一份")
+RECAPTURE = ("重拍一个已有快照的哈希时没有复用它那一行、移到 LRU 队尾：已有条目要 entries.pop(h) 取出它的行、拷完再放回"
+             "（entries[h] = row 不会改变已有键的位置）")
+TAKE_FIRST = ("先拿新行、再丢这条序列自己的旧快照：库满时 _take_row 逐出了别人的快照，随后自己的旧快照又丢掉，白白少一份"
+              "（旧快照要在 _take_row 之前丢，行还回 free_rows）")
+PROMPT_END = ("恰好落在 block 边界上的 prompt 末尾也算成了 prompt 之后（end >= num_prompt_tokens）：这份快照是 prompt 里的、"
+              "可被别的请求共用，不该被 decode 的新快照替换（应为 end > num_prompt_tokens）")
+PAST_PROMPT = ("用“生成过 token”或“这一步只算 1 个 token”判断 prompt 之后：被抢占后重算的序列，prompt 里的 chunk 和回答里的 "
+               "chunk 都是多 token 的，序列也早就生成过 token；应看本步算到的 end > num_prompt_tokens")
+BY_POSITION = "lookup 按位置下标查 computed（computed[i] 而不是 computed[hits[i]]）：命中串里放的是 block id，不是位置"
+LAST_ONLY = "lookup 只检查了快照所在那一块算好没有：hits[:n] 的每一块都要算好，中间有一块没算好，后面的快照就都不能用"
+SHORTEST = "lookup 返回了最短的命中（从 n = 1 往上找）：应从最长的往下找，返回第一个有快照的 n"
+CONSUMES = "restore 把快照从表里拿走了：同一份快照要能被好几条请求恢复，restore 只拷贝，不动 entries"
+NO_COUNT = "capture 拍了快照却没有给 num_captured 加 1（stats 的 snapshots_captured）"
+NO_SNAPSHOT_AT_RESTORE = ("恢复时表里没有这条序列命中位置上的快照：接纳时 lookup 说那里有快照，restore 时却找不到。lookup "
+                          "给出的命中要以有快照的块结尾，快照也要留到 restore 之后（restore 只拷贝）；前面 capture / "
+                          "restore 与 lookup 的检查直接驱动这些函数，信息更具体")
 NEW_TOKENS = 5
 
 
@@ -49,22 +76,58 @@ def _expected_end(start, end, num_tokens, bs, shared):
     return max((b for b in range(start + 1, end + 1) if b % bs == 0), default=end)
 
 
-def _check_chunk_end(m, start, end, num_tokens, bs, shared, r=None):
-    got = m.chunk_end(start, end, num_tokens, bs, shared)
+def _chunk_end_error(got, start, end, num_tokens, bs, shared, r=None) -> str | None:
+    """None when chunk_end returned the right cut, else the failure message (naming the mistake it singles out)."""
     want = _expected_end(start, end, num_tokens, bs, shared)
-    if got == want:
-        return
+    if got == want and type(got) is int:
+        return None
     case = f"chunk_end(start={start}, end={end}, num_tokens={num_tokens}, block_size={bs}, shared_end={shared})"
-    msg = f"{case} 应为 {want}，得到 {got}" + (f"；{r}" if r else "")
-    if got <= start or got > end:
+    msg = f"{case} 应为 {want}，得到 {got!r}" + (f"；{r}" if r else "")
+    if isinstance(got, bool) or not isinstance(got, int):
+        return msg + "（应返回 int）"
+    if got <= start:
         msg += f"\n  看起来像易错点：{EMPTY}"
+    elif got > end:
+        msg += f"\n  切点超出了这一块的末尾 end：chunk 只能在 (start, end] 里缩短，不能变长（预算和 token 都只给到 end）"
     elif start < shared < end and got != shared:
         msg += f"\n  看起来像易错点：{NO_BRANCH}"
     elif end < num_tokens and got == end:
         msg += f"\n  看起来像易错点：{NO_ALIGN}"
     elif end == num_tokens and got % bs == 0:
         msg += f"\n  看起来像易错点：{TAIL_CUT}"
-    raise AssertionError(msg)
+    return msg
+
+
+def _check_chunk_end(m, start, end, num_tokens, bs, shared, r=None):
+    msg = _chunk_end_error(m.chunk_end(start, end, num_tokens, bs, shared), start, end, num_tokens, bs, shared, r)
+    if msg:
+        raise AssertionError(msg)
+
+
+@contextlib.contextmanager
+def _engine_watch(r: Rand):
+    """Around an engine run with prefix caching on: every cut HybridScheduler asks chunk_end for is checked as it
+    is made (a wrong one fails here, with its arguments, instead of crashing inside the model or stalling the
+    engine), and a restore that finds no snapshot at the hit says so plainly."""
+    m = impl(MODULE)
+    real = m.chunk_end
+
+    def checked(start, end, num_tokens, block_size, shared_end=0):
+        got = real(start, end, num_tokens, block_size, shared_end)
+        msg = _chunk_end_error(got, start, end, num_tokens, block_size, shared_end, r)
+        if msg:
+            raise AssertionError(f"引擎里 HybridScheduler 切 prefill chunk 时：{msg}")
+        return got
+
+    m.chunk_end = checked                       # HybridScheduler.schedule looks chunk_end up in the module
+    try:
+        yield
+    except RuntimeError as exc:
+        if "no snapshot was taken" not in str(exc):
+            raise
+        raise AssertionError(f"运行出错：{type(exc).__name__}: {exc}\n  {NO_SNAPSHOT_AT_RESTORE}；{r}") from exc
+    finally:
+        m.chunk_end = real
 
 
 @point("chunk_end：预算用完退回 block 边界、在共享前缀的分叉点切开、最后一段算到 prompt 末尾、没有边界时原样返回")
@@ -87,11 +150,11 @@ def test_chunk_end():
 
 
 # ----------------------------------------------------------------------------- StateCache on e02 + e04
-def _parts(r: Rand, num_blocks: int, num_snapshots: int, bs: int):
+def _parts(r: Rand, num_blocks: int, num_snapshots: int, bs: int, slots: int = 6):
     m, e02, e04, m06 = impl(MODULE), impl("e02_block_manager"), impl("e04_model_runner"), impl("m06_models")
     config = hf_models.tiny_config("qwen3_5_text", r, vocab=64, layers=1)
     model = m06.build_model(config)
-    pool = e04.GDNStatePool(model, 6)
+    pool = e04.GDNStatePool(model, slots)
     cache = m.StateCache(model, num_snapshots)
     bm = m.HybridBlockManager(num_blocks, bs, cache)
     return m, e02, pool, cache, bm
@@ -109,6 +172,78 @@ def _fill(pool, seq, r: Rand) -> None:
     for i in pool.conv:
         pool.conv[i][slot] = r.randn(*pool.conv[i][slot].shape)
         pool.ssm[i][slot] = r.randn(*pool.ssm[i][slot].shape)
+
+
+def _new_state(pool, seq, r: Rand) -> list[torch.Tensor]:
+    """What this step's model left in seq's slot: fresh random state (every snapshot differs); returns a copy."""
+    slot = pool.slot_of[seq.seq_id]
+    for i in pool.conv:
+        pool.conv[i][slot] = r.randn(*pool.conv[i][slot].shape)
+        pool.ssm[i][slot] = r.randn(*pool.ssm[i][slot].shape)
+    return [t.clone() for t in impl(MODULE).state_views(pool, slot)]
+
+
+def _decode(bm, cache, pool, seq, r: Rand, boundary: int) -> list[torch.Tensor]:
+    """Decode steps (append the sampled token, then compute it) until `boundary` tokens are computed; the state
+    left at the boundary."""
+    state = None
+    while seq.num_cached_tokens < boundary:
+        seq.append_token(r.int(1, 62))
+        bm.may_append(seq)
+        state = _new_state(pool, seq, r)
+        _step(bm, cache, pool, seq, 1)
+    return state
+
+
+def _key(bm, seq, blocks: int) -> int:
+    """The key of the snapshot at boundary blocks * P: the chained hash of the block that ends there."""
+    return bm.blocks[seq.block_table[blocks - 1]].hash
+
+
+def _check_rows(cache, when: str, r: Rand) -> None:
+    """Every row of the store is either an entry's or free, and only once."""
+    rows = list(cache.entries.values()) + list(cache.free_rows)
+    lost = sorted(set(range(cache.num_snapshots)) - set(rows))
+    twice = sorted({x for x in rows if rows.count(x) > 1})
+    if not lost and not twice:
+        return
+    msg = (f"{when}：快照库的 {cache.num_snapshots} 行，每一行要么是 entries 里某份快照的行、要么在 free_rows 里，"
+           f"只出现一次；得到 entries 的行 {sorted(cache.entries.values())}、free_rows {sorted(cache.free_rows)}")
+    if twice:
+        msg += f"，行 {twice} 出现了不止一次"
+    if lost:
+        msg += f"，行 {lost} 哪里都不在；{r}\n  看起来像易错点：{ROW_LEAK}"
+    else:
+        msg += f"；{r}"
+    raise AssertionError(msg)
+
+
+def _check_taken(bm, cache, seq, blocks: int, what: str, r: Rand, decode: bool = False) -> None:
+    """seq's chunk that ended on boundary blocks * P left a snapshot keyed by the hash of block blocks - 1."""
+    if _key(bm, seq, blocks) in cache.entries:
+        return
+    bs = bm.block_size
+    off = len(seq.block_table) > blocks and _key(bm, seq, blocks + 1) in cache.entries
+    mistake = OFF_BY_ONE if off else DECODE_NEVER if decode else ""
+    raise AssertionError(f"{what}算到 {blocks * bs}（block 边界），应以第 {blocks - 1} 块（block_table[{blocks - 1}]）的哈希为键"
+                         f"拍一份快照，表里没有；{r}" + (f"\n  看起来像易错点：{mistake}" if mistake else ""))
+
+
+def _check_restored(pool, slot: int, want: list[torch.Tensor], what: str, r: Rand) -> None:
+    """The state in pool row `slot` equals `want` (state_views order: every conv state, then every recurrent one)."""
+    got = impl(MODULE).state_views(pool, slot)
+    half = len(got) // 2
+    for i, (g, w) in enumerate(zip(got, want)):
+        kind, mistake = ("conv state", NO_CONV) if i < half else ("recurrent state", NO_SSM)
+        assert_equal(g, w, what=f"{what}的 {kind}（state_views 第 {i} 个）", rand=r,
+                     looks_like=[(torch.zeros_like(w), mistake)])
+
+
+def _check_captured(cache, captures: int, r: Rand) -> None:
+    got = cache.stats["snapshots_captured"]
+    if got != captures:
+        raise AssertionError(f"capture 拍了 {captures} 份快照（表里就有），stats['snapshots_captured'] 应为 {captures}，"
+                             f"得到 {got}；{r}" + (f"\n  看起来像易错点：{NO_COUNT}" if got == 0 else ""))
 
 
 def _step(bm, cache, pool, seq, tokens: int) -> bool:
@@ -191,6 +326,193 @@ def test_capture_restore():
         f"一次恢复、省下 {2 * bs} 个 prefill token，stats 应记下：{cache.stats}"
 
 
+@point("capture / restore：算到 block 边界才拍、挂在结束处那一块的哈希上；decode 也拍，但每条序列在 prompt 之后只留最新一份；命中截到最后一个有快照的块；恢复的 conv 与 recurrent 状态逐元素相等")
+def test_lookup_longest_computed_hit():
+    r = Rand()
+    bs = r.choice([2, 4])
+    # a's prompt: n full blocks + 1 token, snapshots at the ends of s1 < s2 < s3 < s4 blocks (s4 < n)
+    s1 = r.int(1, 2)
+    s2 = s1 + r.int(1, 2)
+    s3 = s2 + r.int(3, 4)
+    s4 = s3 + r.int(1, 2)
+    n = s4 + r.int(1, 2)
+    u1 = r.int(s2 + 1, s3 - 2)                 # later: an uncomputed block between s2 and s3 ...
+    u2 = s4 - 1                                 # ... and the last block of the s4 prefix
+    c = r.int(s2, s3 - 1)                       # the filler's computed blocks (what computed[position] reads)
+    filler_blocks = n + r.int(0, 3)
+    m, e02, pool, cache, bm = _parts(r, 64, 8, bs)
+    # another request mid-prefill holds blocks 0 .. filler_blocks-1 (its first c computed): a's block ids are
+    # never their positions
+    filler = _seq(e02, [63] * (filler_blocks * bs), bs)
+    bm.allocate(filler)
+    filler.num_scheduled_tokens = c * bs
+    bm.mark_computed(filler)
+    filler.num_scheduled_tokens = 0
+    prompt = r.randint(1, 63, (n * bs + 1,)).tolist()
+    a = _seq(e02, prompt, bs)
+    bm.allocate(a)
+    assert all(b >= n for b in a.block_table), f"（检查的前提）a 的 block id 应都不等于位置：{a.block_table}"
+    pool.allocate(a)
+    states = {}
+    for lo, hi in ((0, s1), (s1, s2), (s2, s3), (s3, s4)):   # chunks ending on the four boundaries
+        states[hi] = _new_state(pool, a, r)
+        _step(bm, cache, pool, a, (hi - lo) * bs)
+    _new_state(pool, a, r)
+    _step(bm, cache, pool, a, (n - s4) * bs + 1)           # the rest of the prompt: no boundary at its end
+    for s in (s1, s2, s3, s4):
+        _check_taken(bm, cache, a, s, "a 的 prefill 一段", r)
+    keys = {s: _key(bm, a, s) for s in (s1, s2, s3, s4)}
+    hits = list(a.block_table[:n])
+    where = (f"命中串 hits = {hits}（a 的前 {n} 块，block_size {bs}），hits[:{s1}]、hits[:{s2}]、hits[:{s3}]、"
+             f"hits[:{s4}] 的末块都有快照")
+
+    got = cache.lookup(hits)                                # every block computed: the longest wins
+    if got != s4:
+        mistake = {s1: SHORTEST, n: KV_ONLY, s2: BY_POSITION}.get(got)
+        extra = (f"（block 0..{filler_blocks - 1} 属于另一条正在 prefill 的请求，其中前 {c} 块算好了："
+                 f"按位置查 computed 得到的正是 {s2}）" if got == s2 else "")
+        raise AssertionError(f"{where}，hits 的块都已算好：lookup 应返回最长的 {s4}，得到 {got}{extra}；{r}"
+                             + (f"\n  看起来像易错点：{mistake}" if mistake else ""))
+
+    # the copies of hits[u1] and hits[u2] that a lookup finds were handed to new owners (same content) that
+    # have not run yet: only hits[:u1] holds computed KV
+    bm.computed[hits[u1]] = bm.computed[hits[u2]] = False
+    order = list(cache.entries)
+    got = cache.lookup(hits)
+    if got != s2:
+        mistake = {s1: SHORTEST, s4: STALE, s3: LAST_ONLY, u1: KV_ONLY}.get(got)
+        raise AssertionError(f"{where}，但 hits[{u1}] 和 hits[{u2}] 还没算好（computed 为 False）：lookup 应返回 {s2}"
+                             f"（前 {u1} 块都算好，其中最长的有快照的前缀），得到 {got}；{r}"
+                             + (f"\n  看起来像易错点：{mistake}" if mistake else ""))
+    if list(cache.entries)[-1] != keys[s2]:
+        raise AssertionError(f"lookup 命中了 hits[:{s2}] 的快照，它应移到 LRU 队尾（entries 的最后）；{r}"
+                             + (f"\n  看起来像易错点：{NO_TOUCH}" if list(cache.entries) == order else ""))
+
+    # two requests resume from that one snapshot: restore copies it, the entry stays
+    row = cache.entries[keys[s2]]
+    for name in ("b", "c"):
+        other = _seq(e02, prompt[:n * bs] + r.randint(1, 63, (bs + 1,)).tolist(), bs)
+        bm.allocate(other)
+        assert other.num_cached_tokens == s2 * bs, \
+            f"{name} 与 a 共享前 {n} 块，可用命中是 {s2} 块：num_cached_tokens 应为 {s2 * bs}，得到 {other.num_cached_tokens}；{r}"
+        with explain_crash({"slot_of": NO_SLOT}):
+            slot = cache.restore(other, pool)
+        if cache.entries.get(keys[s2]) != row:
+            gone = keys[s2] not in cache.entries
+            raise AssertionError(f"{name} 从 hits[:{s2}] 的快照恢复之后，这份快照应还在表里、还在第 {row} 行，"
+                                 f"得到{'它不在表里' if gone else f'它在第 {cache.entries[keys[s2]]} 行'}；{r}"
+                                 + (f"\n  看起来像易错点：{CONSUMES}" if gone else ""))
+        _check_restored(pool, slot, states[s2], f"{name} 恢复后（应是 a 算到 {s2 * bs} 时的状态）", r)
+    assert cache.stats["snapshot_hits"] == 2 and cache.stats["prefill_tokens_saved"] == 2 * s2 * bs, \
+        f"两次恢复、各省 {s2 * bs} 个 prefill token，stats 应记下：{cache.stats}；{r}"
+    _check_captured(cache, 4, r)
+    _check_rows(cache, "4 份快照、两次恢复之后", r)
+
+
+@point("capture / restore：算到 block 边界才拍、挂在结束处那一块的哈希上；decode 也拍，但每条序列在 prompt 之后只留最新一份；命中截到最后一个有快照的块；恢复的 conv 与 recurrent 状态逐元素相等")
+def test_prompt_end_on_boundary_is_kept():
+    r = Rand()
+    bs = r.choice([2, 4])
+    n = r.int(2, 4)                                         # a prompt of exactly n blocks
+    k = r.int(1, n - 1)
+    m, e02, pool, cache, bm = _parts(r, 32, 8, bs)
+    prompt = r.randint(1, 63, (n * bs,)).tolist()
+    a = _seq(e02, prompt, bs)
+    bm.allocate(a)
+    pool.allocate(a)
+    _new_state(pool, a, r)
+    _step(bm, cache, pool, a, k * bs)                       # a chunk ending on boundary kP
+    end_state = _new_state(pool, a, r)
+    _step(bm, cache, pool, a, (n - k) * bs)                 # the prompt's last chunk ends on boundary nP
+    _check_taken(bm, cache, a, k, "a 的 prefill 第一段", r)
+    _check_taken(bm, cache, a, n, f"a 的 prompt 长 {n * bs}，最后一段恰好", r)
+    key_k, key_n = _key(bm, a, k), _key(bm, a, n)
+    _decode(bm, cache, pool, a, r, (n + 1) * bs)
+    _check_taken(bm, cache, a, n + 1, "a 的 decode ", r, decode=True)
+    key_n1 = _key(bm, a, n + 1)
+    if key_n not in cache.entries:
+        raise AssertionError(f"prompt 恰好结束在 block 边界 {n * bs} 上，那里的快照是 prompt 里的（可被共享同一 prompt 的"
+                             f"请求用），decode 在 {(n + 1) * bs} 拍新快照时不该丢掉它；{r}"
+                             + (f"\n  看起来像易错点：{PROMPT_END}" if key_k in cache.entries and key_n1 in cache.entries
+                                else ""))
+    _check_rows(cache, f"decode 在 {(n + 1) * bs} 拍快照之后", r)
+    _decode(bm, cache, pool, a, r, (n + 2) * bs)
+    present = [s for s, key in ((k, key_k), (n, key_n), (n + 1, key_n1), (n + 2, _key(bm, a, n + 2)))
+               if key in cache.entries]
+    if present != [k, n, n + 2]:
+        raise AssertionError(f"decode 走到 {(n + 2) * bs} 之后，表里应是 prompt 里的 {k * bs}、{n * bs} 两份和最新的 "
+                             f"{(n + 2) * bs}，得到边界 {[s * bs for s in present]} 的快照；{r}"
+                             + (f"\n  看起来像易错点：{DECODE_ALL}" if present == [k, n, n + 1, n + 2] else ""))
+    _check_rows(cache, f"decode 在 {(n + 2) * bs} 拍快照、替换 {(n + 1) * bs} 那份之后", r)
+    _check_captured(cache, 4, r)
+    b = _seq(e02, prompt + r.randint(1, 63, (r.int(1, 2 * bs),)).tolist(), bs)   # the same prompt, a new message
+    bm.allocate(b)
+    if b.num_cached_tokens != n * bs:
+        raise AssertionError(f"b 以 a 的整段 prompt（{n * bs} 个 token）开头，{k * bs} 和 {n * bs} 处都有快照，应从最长的、prompt "
+                             f"末尾那份恢复：num_cached_tokens 应为 {n * bs}，得到 {b.num_cached_tokens}；{r}"
+                             + (f"\n  看起来像易错点：{SHORTEST}" if b.num_cached_tokens == k * bs else ""))
+    with explain_crash({"slot_of": NO_SLOT}):
+        slot = cache.restore(b, pool)
+    _check_restored(pool, slot, end_state, "b 恢复后（应是 a 算完 prompt 时的状态）", r)
+
+
+def _past_prompt_trajectories(b1, b2, b3, b4, b5):
+    """Which boundary snapshots (in blocks) a recomputed sequence holds after each of its six steps: the rule
+    (end > num_prompt_tokens), 'has a completion token', 'computed one token' and 'never drops one'."""
+    right = [[b1], [b1, b2], [b1, b3], [b1, b3], [b1, b4], [b1, b5]]
+    completion = [[b1], [b2], [b3], [b3], [b4], [b5]]
+    one_token = [[b1], [b1, b2], [b1, b2, b3], [b1, b2, b3], [b1, b2, b3, b4], [b1, b2, b3, b5]]
+    keep_all = [[b1], [b1, b2], [b1, b2, b3], [b1, b2, b3], [b1, b2, b3, b4], [b1, b2, b3, b4, b5]]
+    return right, completion, one_token, keep_all
+
+
+@point("capture / restore：算到 block 边界才拍、挂在结束处那一块的哈希上；decode 也拍，但每条序列在 prompt 之后只留最新一份；命中截到最后一个有快照的块；恢复的 conv 与 recurrent 状态逐元素相等")
+def test_recomputed_sequence_past_prompt():
+    r = Rand()
+    bs = r.choice([2, 4])
+    a_blocks = r.int(2, 3)
+    prompt_len = a_blocks * bs + r.int(1, bs - 1)          # the prompt ends inside block a_blocks
+    b1 = r.int(1, a_blocks)                                 # chunk 1 ends inside the prompt
+    b2 = a_blocks + 1                                       # chunk 2 starts inside it and ends past it
+    b3 = b2 + 1                                             # chunk 3 lies past it
+    b4, b5 = b3 + 1, b3 + 2                                 # then decodes reach the next two boundaries
+    total = b3 * bs + r.int(1, bs - 1)                      # prompt + the answer before the preemption
+    m, e02, pool, cache, bm = _parts(r, 32, 8, bs)
+    # a sequence preempted after answering total - prompt_len tokens: its prompt is still prompt_len tokens,
+    # and after re-admission (no hits left) all its tokens are prefilled again, in chunks
+    a = _seq(e02, r.randint(1, 63, (prompt_len,)).tolist(), bs)
+    for t in r.randint(1, 63, (total - prompt_len,)).tolist():
+        a.append_token(t)
+    bm.allocate(a)
+    pool.allocate(a)
+    steps = [(b1 * bs, f"重算的第 1 段 [0, {b1 * bs})"),
+             ((b2 - b1) * bs, f"第 2 段 [{b1 * bs}, {b2 * bs})（跨过 prompt 末尾 {prompt_len}）"),
+             (bs, f"第 3 段 [{b2 * bs}, {b3 * bs})"),
+             (total - b3 * bs, f"最后一段 [{b3 * bs}, {total})"),
+             (b4, f"decode 走到 {b4 * bs}"),
+             (b5, f"decode 走到 {b5 * bs}")]
+    right, completion, one_token, keep_all = _past_prompt_trajectories(b1, b2, b3, b4, b5)
+    seen = []
+    for i, (tokens, what) in enumerate(steps):
+        if i >= 4:
+            _decode(bm, cache, pool, a, r, tokens * bs)
+        else:
+            _new_state(pool, a, r)
+            _step(bm, cache, pool, a, tokens)
+        if i == 0:
+            _check_taken(bm, cache, a, b1, "重算的第 1 段", r)
+        seen.append([b for b in (b1, b2, b3, b4, b5) if len(a.block_table) >= b and _key(bm, a, b) in cache.entries])
+        _check_rows(cache, f"被抢占后重算的序列，{what}之后", r)
+    if seen != right:
+        i = next(i for i in range(len(right)) if seen[i] != right[i])
+        mistake = PAST_PROMPT if seen in (completion, one_token) else DECODE_ALL if seen == keep_all else ""
+        raise AssertionError(
+            f"一条被抢占的序列（prompt {prompt_len} 个 token，已生成到共 {total} 个）重算：{steps[i][1]}之后，表里应有边界 "
+            f"{[b * bs for b in right[i]]} 的快照（prompt 里的 {b1 * bs} 一直留着；end > {prompt_len} 的只留最新一份），"
+            f"得到 {[b * bs for b in seen[i]]}；{r}" + (f"\n  看起来像易错点：{mistake}" if mistake else ""))
+    _check_captured(cache, 5, r)
+
+
 @point("快照与它的 KV 块一起失效：块被逐出、又被一条还没算过它的序列重新登记后，旧快照不再命中；purge 丢掉 KV 已不在缓存里的快照")
 def test_snapshot_dies_with_its_blocks():
     r = Rand()
@@ -256,6 +578,149 @@ def test_lru_budget():
     assert cache.stats["snapshots_evicted"] == 2, f"逐出两次，stats 应记下：{cache.stats}"
 
 
+def _one_block_seqs(e02, bm, pool, r: Rand, count: int, bs: int, tokens=None):
+    """count sequences of one full block + 1 token, distinct contents, each allocated with a pool slot."""
+    seqs = []
+    for t in tokens or r.py.sample(range(1, 63), count):
+        s = _seq(e02, [t] * bs + [1], bs)
+        bm.allocate(s)
+        pool.allocate(s)
+        seqs.append(s)
+    return seqs
+
+
+@point("预算与 LRU：快照数不超过 num_snapshots，满了逐出最久未用的；命中刷新 LRU 顺序")
+def test_full_store_purges_before_evicting():
+    r = Rand()
+    bs = r.choice([2, 4])
+    size = r.int(3, 5)
+    m, e02, pool, cache, bm = _parts(r, 2 * (size + 1) + r.int(0, 4), size, bs, slots=size + 1)
+    *olds, new = _one_block_seqs(e02, bm, pool, r, size + 1, bs)
+    for i, s in enumerate(olds):                             # a full store, LRU order = olds
+        _new_state(pool, s, r)
+        _step(bm, cache, pool, s, bs)
+        _check_taken(bm, cache, s, 1, f"第 {i} 条序列的 chunk ", r)
+    keys = [_key(bm, s, 1) for s in olds]
+    dead = sorted(r.py.sample(range(1, size), r.int(1, size - 1)))     # never the LRU front
+    for i in dead:                                           # finished; then their blocks are handed out again
+        bm.deallocate(olds[i])
+        pool.free(olds[i])
+    filler = _seq(e02, [63] * (bm.num_free_blocks * bs), bs)
+    bm.allocate(filler)
+    assert all(keys[i] not in bm.hash_to_block_id for i in dead), "（检查的前提）这些前缀的 KV 块应已被逐出"
+    evicted = cache.stats["snapshots_evicted"]
+    _new_state(pool, new, r)
+    _step(bm, cache, pool, new, bs)
+    live = [keys[i] for i in range(size) if i not in dead]
+    when = (f"快照库满（{size} 份），其中第 {dead} 份（从 LRU 队首数，0 起）的 KV 块已被逐出、再也够不着，"
+            f"队首那份还能命中：再拍一份时")
+    if not all(k in cache.entries for k in live) or _key(bm, new, 1) not in cache.entries:
+        front_gone = keys[0] not in cache.entries
+        raise AssertionError(
+            f"{when}应先 purge 掉够不着的那 {len(dead)} 份、用空出的行，还能命中的 {len(live)} 份和新拍的一份都留着；"
+            f"得到 {len(cache.entries)} 份，队首那份{'被逐出了' if front_gone else '还在'}"
+            f"（stats={cache.stats}）；{r}"
+            + (f"\n  看起来像易错点：{NO_PURGE}" if front_gone and cache.stats["snapshots_evicted"] > evicted else ""))
+    assert not any(keys[i] in cache.entries for i in dead), f"{when}够不着的快照应被 purge 掉；{r}"
+    assert cache.stats["snapshots_evicted"] == evicted, \
+        f"{when}有够不着的快照可丢，不该逐出任何快照（snapshots_evicted 从 {evicted} 变成 {cache.stats['snapshots_evicted']}）；{r}"
+    _check_rows(cache, f"{when}（purge 之后）", r)
+
+
+@point("预算与 LRU：快照数不超过 num_snapshots，满了逐出最久未用的；命中刷新 LRU 顺序")
+def test_recapture_reuses_its_row():
+    r = Rand()
+    bs = r.choice([2, 4])
+    size = r.int(3, 5)
+    k = r.int(1, size - 2)                                   # neither the LRU front nor its back
+    m, e02, pool, cache, bm = _parts(r, 4 * (size + 2), size, bs, slots=size + 2)
+    tokens = r.py.sample(range(1, 63), size + 1)
+    olds = _one_block_seqs(e02, bm, pool, r, size, bs, tokens[:size])
+    # twin: the same first block as olds[k], admitted in the same step (no hit yet): it computes that block too
+    twin, later = _one_block_seqs(e02, bm, pool, r, 2, bs, [tokens[k], tokens[size]])
+    for i, s in enumerate(olds):                             # a full store, LRU order = olds
+        _new_state(pool, s, r)
+        _step(bm, cache, pool, s, bs)
+        _check_taken(bm, cache, s, 1, f"第 {i} 条序列的 chunk ", r)
+    keys = [_key(bm, s, 1) for s in olds]
+    if list(cache.entries) != keys:
+        raise AssertionError(f"预算 {size} 份，依次拍了 {size} 份快照：表里应按拍的顺序（LRU 队首在前）放着这 {size} 份，得到第 "
+                             f"{[keys.index(h) if h in keys else '?' for h in cache.entries]} 份；{r}")
+    row = cache.entries[keys[k]]
+    evicted = cache.stats["snapshots_evicted"]
+    state = _new_state(pool, twin, r)
+    _step(bm, cache, pool, twin, bs)                         # the same hash again
+    when = (f"快照库满（{size} 份，LRU 顺序 0..{size - 1}），第 {k} 份的前缀被另一条序列又算了一遍、重拍同一个哈希时")
+    if keys[k] not in cache.entries:
+        raise AssertionError(f"{when}，这份快照应留在表里，得到它不见了；{r}")
+    if cache.entries[keys[k]] != row or cache.stats["snapshots_evicted"] != evicted:
+        raise AssertionError(f"{when}应复用它原来的第 {row} 行、不逐出任何快照；得到第 {cache.entries[keys[k]]} 行，"
+                             f"逐出 {cache.stats['snapshots_evicted'] - evicted} 份；{r}\n  看起来像易错点：{RECAPTURE}")
+    want = keys[:k] + keys[k + 1:] + [keys[k]]
+    if list(cache.entries) != want:
+        stayed = list(cache.entries) == keys
+        raise AssertionError(f"{when}，它刚被用过，应移到 LRU 队尾；得到的顺序是第 "
+                             f"{[keys.index(h) for h in cache.entries if h in keys]} 份；{r}"
+                             + (f"\n  看起来像易错点：{RECAPTURE}" if stayed else ""))
+    for got_t, want_t in zip(m.state_views(cache.store, row), state):
+        assert_equal(got_t, want_t, what="重拍后这一行的状态（应是刚算完的那份）", rand=r)
+    _check_rows(cache, when, r)
+    _new_state(pool, later, r)
+    _step(bm, cache, pool, later, bs)                        # a new prefix: now the front (0) goes
+    if keys[0] in cache.entries or keys[k] not in cache.entries:
+        newest_gone = keys[0] in cache.entries and keys[k] not in cache.entries
+        raise AssertionError(f"第 {k} 份重拍（移到 LRU 队尾）之后再拍一份新的：应逐出 LRU 队首第 0 份，留下刚重拍的第 {k} 份；"
+                             f"得到表里有第 {[keys.index(h) for h in cache.entries if h in keys]} 份；{r}"
+                             + (f"\n  看起来像易错点：{EVICT_NEWEST}" if newest_gone else ""))
+
+
+@point("预算与 LRU：快照数不超过 num_snapshots，满了逐出最久未用的；命中刷新 LRU 顺序")
+def test_own_old_snapshot_goes_first():
+    r = Rand()
+    bs = r.choice([2, 4])
+    size = r.int(3, 5)
+    before = r.int(1, size - 2)                              # others captured before a's first answer snapshot
+    m, e02, pool, cache, bm = _parts(r, 4 * (size + 2), size, bs, slots=size + 1)
+    others = _one_block_seqs(e02, bm, pool, r, size - 1, bs)
+    a = _seq(e02, r.randint(1, 63, (bs + r.int(1, bs - 1),)).tolist(), bs)   # the prompt ends inside block 1
+    bm.allocate(a)
+    pool.allocate(a)
+    _new_state(pool, a, r)
+    _step(bm, cache, pool, a, a.num_tokens)                 # the whole prompt: no boundary at its end
+    for i, s in enumerate(others[:before]):
+        _new_state(pool, s, r)
+        _step(bm, cache, pool, s, bs)
+        _check_taken(bm, cache, s, 1, f"第 {i} 条序列的 chunk ", r)
+    _decode(bm, cache, pool, a, r, 2 * bs)                  # a's answer crosses 2P: its newest snapshot
+    _check_taken(bm, cache, a, 2, "a 的 decode ", r, decode=True)
+    for i, s in enumerate(others[before:], before):         # the store is full now, a's snapshot in the middle
+        _new_state(pool, s, r)
+        _step(bm, cache, pool, s, bs)
+        _check_taken(bm, cache, s, 1, f"第 {i} 条序列的 chunk ", r)
+    keys = [_key(bm, s, 1) for s in others]
+    old = _key(bm, a, 2)
+    if len(cache.entries) != size or old not in cache.entries:
+        raise AssertionError(f"预算 {size} 份，拍了 {size} 份快照（a 在 {2 * bs} 的一份、别的序列 {size - 1} 份）："
+                             f"表里应正好是这 {size} 份，得到 {len(cache.entries)} 份"
+                             f"（a 的那份{'在' if old in cache.entries else '不在'}）；{r}")
+    evicted = cache.stats["snapshots_evicted"]
+    _decode(bm, cache, pool, a, r, 3 * bs)                  # 3P: replaces a's 2P one
+    when = (f"快照库满（{size} 份），a 在 prompt 之后的快照（边界 {2 * bs}）排在 LRU 第 {before} 位；"
+            f"a 的 decode 走到 {3 * bs} 拍新快照时")
+    _check_rows(cache, when, r)
+    if old in cache.entries:
+        raise AssertionError(f"{when}，a 在 {2 * bs} 的旧快照应丢掉；得到它还在；{r}\n  看起来像易错点：{DECODE_ALL}")
+    _check_taken(bm, cache, a, 3, "a 的 decode ", r, decode=True)
+    if not all(h in cache.entries for h in keys):
+        front_gone = keys[0] not in cache.entries
+        raise AssertionError(
+            f"{when}应先丢掉 a 自己的旧快照、用它那一行，别的序列的 {size - 1} 份都留着；得到 LRU 队首那份"
+            f"{'被逐出了' if front_gone else '还在'}（stats={cache.stats}）；{r}"
+            + (f"\n  看起来像易错点：{TAKE_FIRST}" if front_gone and cache.stats["snapshots_evicted"] > evicted else ""))
+    assert cache.stats["snapshots_evicted"] == evicted, \
+        f"{when}不该逐出任何快照（snapshots_evicted 从 {evicted} 变成 {cache.stats['snapshots_evicted']}）；{r}"
+
+
 # ----------------------------------------------------------------------------- the engine, against HF
 @functools.lru_cache(maxsize=None)
 def _model(family: str, seed: int):
@@ -273,14 +738,16 @@ def _greedy(n=NEW_TOKENS):
 
 def _chat(llm, r: Rand, convs: int, turns: int, bs: int, system: int = 0, message: int = 0, new: int = NEW_TOKENS):
     """A multi-turn chat: every conversation starts with one system prompt; turn t+1 = turn t + answer + a message.
-    Returns per turn (prompts, outputs, stats after the turn)."""
+    Returns per turn (prompts, outputs, stats after the turn, the snapshot keys in the store after the turn)."""
     system = r.randint(1, 64, (system or r.int(2 * bs + 1, 4 * bs),)).tolist()
     msg = lambda: r.randint(1, 64, (r.int(1, message or 2 * bs),)).tolist()   # noqa: E731
     history = [system + msg() for _ in range(convs)]
     log = []
     for _ in range(turns):
         outs = llm.generate(history, _greedy(new))
-        log.append((history, [o.token_ids for o in outs], dict(llm.stats)))
+        cache = getattr(llm.block_manager, "state_cache", None)
+        keys = set(cache.entries) if cache is not None else set()
+        log.append((history, [o.token_ids for o in outs], dict(llm.stats), keys))
         history = [h + o.token_ids + msg() for h, o in zip(history, outs)]
     return log
 
@@ -295,7 +762,7 @@ def _hf_generate(hf, prompt):
 
 def _replay(llm, log, new: int = NEW_TOKENS):
     """The same prompts, turn by turn, through another engine."""
-    return [[o.token_ids for o in llm.generate(prompts, _greedy(new))] for prompts, _, _ in log]
+    return [[o.token_ids for o in llm.generate(prompts, _greedy(new))] for prompts, *_ in log]
 
 
 def _multiturn(family: str):
@@ -304,11 +771,11 @@ def _multiturn(family: str):
     folder, hf = _model(family, r.seed)
     bs = r.choice([2, 4])
     kw = dict(block_size=bs, max_num_seqs=3, max_num_batched_tokens=r.int(12, 24))
-    with explain_crash({"no snapshot was taken": KV_ONLY}):
+    with _engine_watch(r):
         llm = e05.LLM(str(folder), enable_prefix_caching=True, **kw)
         log = _chat(llm, r, convs=3, turns=3, bs=bs)
     off = _replay(e05.LLM(str(folder), enable_prefix_caching=False, **kw), log)
-    for t, ((prompts, outs, stats), base) in enumerate(zip(log, off)):
+    for t, ((prompts, outs, _, _), base) in enumerate(zip(log, off)):
         for i, (p, got, want) in enumerate(zip(prompts, outs, base)):
             if got != want:
                 raise AssertionError(f"{family}：第 {t + 1} 轮第 {i} 条（prompt 长 {len(p)}，block_size {bs}）"
@@ -316,20 +783,34 @@ def _multiturn(family: str):
     for i, (p, got) in enumerate(zip(log[-1][0], log[-1][1])):     # the last turn, the most restored: against HF
         ref = _hf_generate(hf, p)
         assert got == ref, f"{family}：第 {len(log)} 轮第 {i} 条与 HF generate 不同：得到 {got}，期望 {ref}；{r}"
+    e02 = impl("e02_block_manager")
     for t in range(1, len(log)):
-        prev, (_, _, before), (_, _, after) = log[t - 1][0], log[t - 1], log[t]
+        (prev, answers, before, keys), (_, _, after, _) = log[t - 1], log[t]
         hits = after["snapshot_hits"] - before["snapshot_hits"]
         saved = after["prefill_tokens_saved"] - before["prefill_tokens_saved"]
-        # each turn fed its prompt and all but the last answer token; the newest boundary in there has a snapshot
-        floor = sum((len(p) + NEW_TOKENS - 1) // bs * bs for p in prev)
-        assert hits >= len(prev), (f"{family}：第 {t + 1} 轮 {len(prev)} 条请求都接着上一轮，只有 {hits} 条从快照恢复"
-                                   f"（stats={after}）；{r}")
-        if saved < floor:
-            prompt_only = sum(len(p) // bs * bs for p in prev)
-            raise AssertionError(
-                f"{family}：第 {t + 1} 轮省下 {saved} 个 prefill token；上一轮每条都算过 prompt + 回答的前 "
-                f"{NEW_TOKENS - 1} 个 token，其中最后一个 block 边界之前共 {floor} 个，应从那里的快照恢复"
-                f"（stats={after}）；{r}" + (f"\n  看起来像易错点：{DECODE_NEVER}" if saved <= prompt_only else ""))
+        # each turn fed its prompt and all but the last answer token: the newest boundary in there was reached by a
+        # decode step (NEW_TOKENS - 1 >= P), so it has a snapshot, and this turn resumes there
+        ends = [(len(p) + NEW_TOKENS - 1) // bs * bs for p in prev]
+        if hits >= len(prev) and saved >= sum(ends):
+            continue
+        msg = (f"{family}：第 {t + 1} 轮 {len(prev)} 条请求都接着上一轮，应各自从上一轮回答里最后一个 block 边界 {ends} "
+               f"的快照恢复（共省 {sum(ends)} 个 prefill token）；实际 {hits} 次恢复、省 {saved} 个（stats={after}）；{r}")
+        missing = []
+        for i, (p, out, e) in enumerate(zip(prev, answers, ends)):
+            h, tokens = -1, p + out
+            for j in range(e // bs):
+                h = e02.compute_block_hash(tokens[j * bs:(j + 1) * bs], h)
+            if h not in keys:
+                missing.append(i)
+        if missing and before["snapshots_evicted"] == 0:
+            msg += (f"\n  上一轮结束时第 {missing} 条在边界 {[ends[i] for i in missing]}（decode 算到的）没有快照，"
+                    f"也没有逐出过任何快照\n  看起来像易错点：{DECODE_NEVER}")
+        elif missing:
+            msg += f"\n  上一轮结束时第 {missing} 条在边界 {[ends[i] for i in missing]} 没有快照（逐出过 {before['snapshots_evicted']} 份）"
+        else:
+            msg += ("\n  上一轮结束时这些边界的快照都在表里，这一轮却没有都从那里恢复：lookup 应返回 hits 里最长的、"
+                    "前面的块都已算好、末块有快照的前缀")
+        raise AssertionError(msg)
 
 
 @point("多轮对话（qwen3_5_text）：打开缓存后每个输出与关闭缓存、与 HF generate 逐 token 一致；第 2 轮起每条请求都从上一轮回答里最后一个块边界的快照恢复")
@@ -354,8 +835,9 @@ def test_shared_prompt_computed_once():
     prompts = [system + [f] + r.randint(1, 64, (r.int(0, 2 * bs),)).tolist() for f in firsts]
     shared = len(system) // bs * bs                       # the branch point: the last boundary inside the system prompt
     kw = dict(block_size=bs, max_num_seqs=4, max_num_batched_tokens=256)
-    llm = e05.LLM(str(folder), enable_prefix_caching=True, **kw)
-    outs = [o.token_ids for o in llm.generate(prompts, _greedy())]
+    with _engine_watch(r):
+        llm = e05.LLM(str(folder), enable_prefix_caching=True, **kw)
+        outs = [o.token_ids for o in llm.generate(prompts, _greedy())]
     off = [o.token_ids for o in e05.LLM(str(folder), enable_prefix_caching=False, **kw).generate(prompts, _greedy())]
     assert outs == off, f"共享 system prompt 的 3 条请求，打开缓存得到 {outs}，关闭缓存得到 {off}；{r}"
     stats = llm.stats
@@ -376,10 +858,11 @@ def test_small_budget():
     folder, _ = _model("qwen3_5_text", r.seed)
     bs = r.choice([2, 4])
     kw = dict(block_size=bs, max_num_seqs=3, max_num_batched_tokens=r.int(12, 24))
-    llm = e05.LLM(str(folder), enable_prefix_caching=True, num_state_snapshots=2, **kw)
-    log = _chat(llm, r, convs=3, turns=2, bs=bs)
+    with _engine_watch(r):
+        llm = e05.LLM(str(folder), enable_prefix_caching=True, num_state_snapshots=2, **kw)
+        log = _chat(llm, r, convs=3, turns=2, bs=bs)
     off = _replay(e05.LLM(str(folder), enable_prefix_caching=False, **kw), log)
-    assert [outs for _, outs, _ in log] == off, f"2 份快照的预算下，打开缓存的输出与关闭缓存不同；{r}"
+    assert [outs for _, outs, *_ in log] == off, f"2 份快照的预算下，打开缓存的输出与关闭缓存不同；{r}"
     stats = llm.stats
     assert stats["state_snapshots"] <= 2, f"预算 2 份，却存着 {stats['state_snapshots']} 份（stats={stats}）；{r}"
     assert stats["snapshots_evicted"] > 0, f"6 条请求、2 份预算却从没逐出过（stats={stats}）；{r}"
@@ -392,10 +875,11 @@ def test_preemption_and_abort():
     folder, _ = _model("qwen3_5_text", r.seed)
     bs = 4        # prompts of 4-5 blocks growing by 2: two fit in 10 blocks, and then one must yield
     kw = dict(block_size=bs, max_num_seqs=3, max_num_batched_tokens=16, num_kvcache_blocks=10)
-    llm = e05.LLM(str(folder), enable_prefix_caching=True, **kw)
-    log = _chat(llm, r, convs=3, turns=2, bs=bs, system=3 * bs + 1, message=bs, new=8)
+    with _engine_watch(r):
+        llm = e05.LLM(str(folder), enable_prefix_caching=True, **kw)
+        log = _chat(llm, r, convs=3, turns=2, bs=bs, system=3 * bs + 1, message=bs, new=8)
     off = _replay(e05.LLM(str(folder), enable_prefix_caching=False, **kw), log, new=8)
-    assert [outs for _, outs, _ in log] == off, f"KV 池 {kw['num_kvcache_blocks']} 块、发生抢占时打开缓存的输出与关闭缓存不同；{r}"
+    assert [outs for _, outs, *_ in log] == off, f"KV 池 {kw['num_kvcache_blocks']} 块、发生抢占时打开缓存的输出与关闭缓存不同；{r}"
     stats = llm.stats
     assert stats["preemptions"] > 0, f"KV 池只有 {kw['num_kvcache_blocks']} 块却没有发生抢占（stats={stats}）"
     pool = llm.runner.gdn_pool
@@ -406,14 +890,16 @@ def test_preemption_and_abort():
     big = e05.LLM(str(folder), enable_prefix_caching=True, block_size=bs, max_num_seqs=2, max_num_batched_tokens=8)
     prompt = r.randint(1, 64, (5 * bs + 2,)).tolist()
     rid = big.add_request(prompt, _greedy())
-    big.step()
-    big.step()                                                # two chunks of 8: 16 tokens, two snapshots
+    with _engine_watch(r):
+        big.step()
+        big.step()                                            # two chunks of 8: 16 tokens, two snapshots
     big.abort(rid)
     stats, pool = big.stats, big.runner.gdn_pool
     assert stats["free_blocks"] == stats["total_blocks"], f"abort 后 block 没有全部归还（stats={stats}）"
     assert not pool.slot_of and not big.block_manager.shared_tokens, "abort 后 GDN 槽位或 shared_tokens 还留着"
     assert big.scheduler.is_finished(), "abort 后请求还在 waiting / running 里"
-    again = big.generate([prompt], _greedy())[0].token_ids
+    with _engine_watch(r):
+        again = big.generate([prompt], _greedy())[0].token_ids
     want = e05.LLM(str(folder), enable_prefix_caching=False, block_size=bs).generate([prompt], _greedy())[0].token_ids
     assert again == want, f"abort 之后同一条 prompt 从快照恢复，输出 {again}，关闭缓存为 {want}；{r}"
     assert big.stats["snapshot_hits"] >= 1, f"abort 前已算好 16 个 token、拍了快照，再来同一条 prompt 应命中（stats={big.stats}）"

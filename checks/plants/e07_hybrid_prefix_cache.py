@@ -61,4 +61,72 @@ PLANTS = [
           old="            _, row = self.entries.popitem(last=False)\n",
           new="            _, row = self.entries.popitem(last=True)\n",
           expect="逐出了最新的快照"),
+    Plant("no_purge", "快照库满时没有先 purge 就逐出了 LRU 队首",
+          old="        if not self.free_rows:\n            self.purge()\n        if not self.free_rows:\n",
+          new="        if not self.free_rows:\n",
+          expect="没有先 purge"),
+    Plant("replaced_row_leaks", "被替换（或被 purge）的快照，行没有还回 free_rows",
+          old="                self.free_rows.append(self.entries.pop(old))\n",
+          new="                self.entries.pop(old)\n",
+          expect="行没有还回 free_rows"),
+    Plant("recapture_takes_row", "重拍一个已有快照的哈希时没有复用它那一行、移到 LRU 队尾",
+          old="        row = self.entries.pop(h) if h in self.entries else self._take_row()\n",
+          new="        row = self._take_row()\n",
+          expect="重拍一个已有快照的哈希"),
+    Plant("recapture_keeps_place", "重拍一个已有快照的哈希时没有复用它那一行、移到 LRU 队尾",
+          old="        row = self.entries.pop(h) if h in self.entries else self._take_row()\n",
+          new="        row = self.entries[h] if h in self.entries else self._take_row()\n",
+          expect="重拍一个已有快照的哈希"),
+    Plant("take_row_before_drop", "先拿新行、再丢这条序列自己的旧快照",
+          old="        if end > seq.num_prompt_tokens:                  # past the prompt: this one replaces the last one taken\n"
+              "            old = self.newest.get(seq.seq_id)\n"
+              "            if old is not None and old != h and old in self.entries:\n"
+              "                self.free_rows.append(self.entries.pop(old))\n"
+              "            self.newest[seq.seq_id] = h\n"
+              "        row = self.entries.pop(h) if h in self.entries else self._take_row()\n",
+          new="        row = self.entries.pop(h) if h in self.entries else self._take_row()\n"
+              "        if end > seq.num_prompt_tokens:\n"
+              "            old = self.newest.get(seq.seq_id)\n"
+              "            if old is not None and old != h and old in self.entries:\n"
+              "                self.free_rows.append(self.entries.pop(old))\n"
+              "            self.newest[seq.seq_id] = h\n",
+          expect="先拿新行"),
+    Plant("prompt_end_is_past", "恰好落在 block 边界上的 prompt 末尾也算成了 prompt 之后",
+          old="        if end > seq.num_prompt_tokens:                  # past the prompt: this one replaces the last one taken\n",
+          new="        if end >= seq.num_prompt_tokens:\n",
+          expect="恰好落在 block 边界上的 prompt 末尾"),
+    Plant("past_prompt_by_completion", "用“生成过 token”或“这一步只算 1 个 token”判断 prompt 之后",
+          old="        if end > seq.num_prompt_tokens:                  # past the prompt: this one replaces the last one taken\n",
+          new="        if seq.num_completion_tokens > 0:\n",
+          expect="判断 prompt 之后"),
+    Plant("past_prompt_by_decode", "用“生成过 token”或“这一步只算 1 个 token”判断 prompt 之后",
+          old="        if end > seq.num_prompt_tokens:                  # past the prompt: this one replaces the last one taken\n",
+          new="        if seq.num_scheduled_tokens == 1:\n",
+          expect="判断 prompt 之后"),
+    Plant("computed_by_position", "lookup 按位置下标查 computed（computed[i] 而不是 computed[hits[i]]）",
+          old="        while computed < len(hits) and bm.computed[hits[computed]]:\n",
+          new="        while computed < len(hits) and bm.computed[computed]:\n",
+          expect="按位置下标查 computed"),
+    Plant("computed_last_only", "lookup 只检查了快照所在那一块算好没有",
+          old="        while computed < len(hits) and bm.computed[hits[computed]]:\n"
+              "            computed += 1\n"
+              "        for n in range(computed, 0, -1):\n"
+              "            h = bm.blocks[hits[n - 1]].hash\n"
+              "            if h in self.entries:\n",
+          new="        for n in range(len(hits), 0, -1):\n"
+              "            h = bm.blocks[hits[n - 1]].hash\n"
+              "            if h in self.entries and bm.computed[hits[n - 1]]:\n",
+          expect="只检查了快照所在那一块"),
+    Plant("shortest_hit", "lookup 返回了最短的命中",
+          old="        for n in range(computed, 0, -1):\n",
+          new="        for n in range(1, computed + 1):\n",
+          expect="最短的命中"),
+    Plant("restore_consumes", "restore 把快照从表里拿走了",
+          old="        row = self.entries.get(h)\n",
+          new="        row = self.entries.pop(h, None)\n",
+          expect="restore 把快照从表里拿走了"),
+    Plant("captured_not_counted", "capture 拍了快照却没有给 num_captured 加 1",
+          old="        self.num_captured += 1\n",
+          new="",
+          expect="num_captured"),
 ]
