@@ -20,9 +20,15 @@ import sys
 
 from rich.cells import cell_len
 
-from .common import MODELS
+from .common import MODELS, REPLAYS, SPREAD_LIMIT
 
 KERNELS = ("k01", "k02", "k03", "k04")
+# the defaults of the throughput workload that differ on the CPU smoke run (--device cpu): (GPU, CPU, what)
+ENGINE_DEFAULTS = {
+    "num_seqs": (256, 4, "请求数"),
+    "max_input_len": (1024, 128, "prompt 最长的 token 数"),
+    "max_output_len": (1024, 128, "输出最长的 token 数"),
+}
 # the defaults of the multiturn workload: (GPU, CPU smoke test); None for both when the device picks them
 MULTITURN_DEFAULTS = {
     "conversations": (64, 4, "会话数"),
@@ -53,9 +59,13 @@ def parsers() -> dict[str, _Parser]:
     engine = _Parser("./check.sh bench")
     engine.add_argument("--model", choices=sorted(MODELS), default="qwen3-0.6b", metavar="NAME",
                         help="默认 qwen3-0.6b；qwen3-30b-a3b、qwen3.5-35b-a3b")
-    engine.add_argument("--num-seqs", type=int, default=256, metavar="N", help="请求数（默认 256）")
-    engine.add_argument("--max-input-len", type=int, default=1024, metavar="N", help="prompt 最长的 token 数（默认 1024）")
-    engine.add_argument("--max-output-len", type=int, default=1024, metavar="N", help="输出最长的 token 数（默认 1024）")
+    engine.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="默认 cuda；cpu：迷你 Qwen3 上的冒烟测试")
+    for name, (gpu, cpu, text) in ENGINE_DEFAULTS.items():
+        engine.add_argument("--" + name.replace("_", "-"), type=int, default=None, metavar="N",
+                            help=f"{text}（默认 GPU {gpu}、CPU {cpu}）")
+    engine.add_argument("--repeats", type=int, default=1, metavar="N",
+                        help="计时跑 N 遍（每遍换 token）：中位数、最小–最大")
     engine.add_argument("--max-num-seqs", type=int, default=256, metavar="N", help="引擎同时运行的序列上限（默认 256）")
     engine.add_argument("--max-model-len", type=int, default=4096, metavar="N", help="一条序列最长的 token 数（默认 4096）")
     engine.add_argument("--block-size", type=int, default=32, metavar="N", help="KV cache 每块的 token 数（默认 32）")
@@ -70,8 +80,10 @@ def parsers() -> dict[str, _Parser]:
                         help="改跑 torch.profiler 拆开几个典型的步（见上）")
     engine.add_argument("--tp", type=int, default=1, metavar="N",
                         help="张量并行：先 TP=N 再 TP=1，打印加速比（默认 1）")
-    engine.add_argument("--plot", default=None, metavar="PNG", help="把每一步的吞吐画成图")
-    engine.add_argument("--json", default=None, metavar="FILE", help="结果另存为 JSON")
+    engine.add_argument("--plot", default=None, metavar="PNG",
+                        help="吞吐随时间（平滑）、roofline、batch 的图")
+    engine.add_argument("--json", default=None, metavar="FILE",
+                        help="每遍的结果、命令行、机器、版本另存为 JSON")
     # a parent process starts its children with these: one engine per process
     engine.add_argument("--tp-run", type=int, default=0, metavar="N", help=argparse.SUPPRESS)
     engine.add_argument("--engine-run", choices=["course", "hf"], default=None, help=argparse.SUPPRESS)
@@ -118,6 +130,10 @@ def parsers() -> dict[str, _Parser]:
                            help="0：Qwen3-30B-A3B，1：Qwen3.5-35B-A3B（默认 0,1）")
             p.add_argument("--no-loop", action="store_true", help="prefill 不测 m03 的逐 expert 循环（很慢）")
         p.add_argument("--solutions", action="store_true", help="测参考实现，即使你的文件已通过")
+        p.add_argument("--replays", type=int, default=REPLAYS, metavar="N",
+                       help=f"每行重放 N 次（默认 {REPLAYS}）；波动 > {SPREAD_LIMIT:.0%} 不下结论")
+        p.add_argument("--json", default=None, metavar="FILE",
+                       help="每行的中位数、最小–最大、结论另存为 JSON")
     return found
 
 
@@ -128,10 +144,10 @@ COMMANDS = [
     ("--tp N [选项]", "先 TP=N 再 TP=1：加速比（N 块 GPU）"),
     ("--workload multiturn [选项]", "多轮对话，关 / 开 prefix caching（e07）"),
     ("--serve [选项]", "HTTP 服务（e06）的吞吐与 TTFT"),
-    ("k01 [--solutions]", "store_kvcache、add + RMSNorm 的带宽（GPU）"),
-    ("k02 [--solutions]", "paged attention，对照 torch SDPA（GPU）"),
+    ("k01 [选项]", "store_kvcache、add + RMSNorm 的带宽（GPU）"),
+    ("k02 [选项]", "paged attention，对照 torch SDPA（GPU）"),
     ("k03 [选项]", "fused MoE，对照 m03 与 grouped GEMM（GPU）"),
-    ("k04 [--solutions]", "Gated DeltaNet kernel，对照 fla、HF（GPU）"),
+    ("k04 [选项]", "Gated DeltaNet kernel，对照 fla、HF（GPU）"),
 ]
 SECTIONS = [    # (parser keys, heading): options shared by several commands are listed once
     (("engine",), "引擎吞吐、--profile、--tp 的选项"),
@@ -185,6 +201,9 @@ def main(argv: list[str], say) -> int:
     ps = parsers()
     if argv and argv[0] in KERNELS:
         opts = ps[argv[0]].parse_args(argv[1:])
+        if opts.replays < 3:
+            ps[argv[0]].error(f"--replays 至少是 3，得到 {opts.replays}")
+        opts.argv = list(argv)                         # the command line, for --json
         if argv[0] == "k03":
             from .k03 import bench_k03
             return bench_k03(opts, say)
@@ -192,7 +211,7 @@ def main(argv: list[str], say) -> int:
             from .k04 import bench_k04
             return bench_k04(opts)
         from .kernels import bench_kernel
-        return bench_kernel(argv[0], opts.solutions)
+        return bench_kernel(argv[0], opts)
     if "--serve" in argv:
         opts = ps["serve"].parse_args(argv)
         if not (1 <= opts.min_in <= opts.max_in and 1 <= opts.min_out <= opts.max_out and opts.clients >= 1):
@@ -203,13 +222,25 @@ def main(argv: list[str], say) -> int:
         opts = ps["multiturn"].parse_args(argv)
         if opts.repeats < 1:
             ps["multiturn"].error(f"--repeats 至少是 1，得到 {opts.repeats}")
+        opts.argv = list(argv)                         # the command line, for --json
         from .multiturn import run
         return run(opts, say)
     opts = ps["engine"].parse_args(argv)
+    if opts.repeats < 1:
+        ps["engine"].error(f"--repeats 至少是 1，得到 {opts.repeats}")
+    cpu = opts.device == "cpu"
+    if cpu and (opts.peer != "none" or opts.tp > 1 or opts.tp_run or opts.profile or opts.engine_run):
+        ps["engine"].error("--device cpu 只跑引擎吞吐的冒烟测试，不能和 --peer hf、--tp、--profile 同用")
+    for name, (gpu_default, cpu_default, _) in ENGINE_DEFAULTS.items():
+        if getattr(opts, name) is None:
+            setattr(opts, name, cpu_default if cpu else gpu_default)
+    if min(opts.max_input_len, opts.max_output_len) < 100:
+        ps["engine"].error("nano-vllm 的负载取 randint(100, N)：--max-input-len、--max-output-len 至少是 100")
     import torch
-    if not torch.cuda.is_available():
+    if not cpu and not torch.cuda.is_available():
         say("[yellow]./check.sh bench 需要 NVIDIA GPU（CUDA）；这台机器没有，未运行。"
-            "CPU 上能跑的：./check.sh bench --serve、./check.sh bench --workload multiturn --device cpu[/]")
+            "CPU 上能跑的：./check.sh bench --device cpu（迷你模型上的冒烟测试）、./check.sh bench --serve、"
+            "./check.sh bench --workload multiturn --device cpu[/]")
         return 2
     if opts.profile:
         from .profile import profile_steps

@@ -10,6 +10,13 @@ With --peer hf every engine runs in a process of its own (the whole GPU each: a 
 process would find the first one's memory still held); the ratio is printed only from runs that started
 with the same free GPU memory on the same prompts. --tp N: the engine at TP=N and at TP=1 on the same prompts
 (bench_tp). The command line is parsed, and every other workload dispatched, by cli.py.
+--repeats N: one engine runs the timed workload N times (run 1 on nano-vllm's prompts, run r on the same lengths with
+other token ids, common.fresh_tokens, so that no run hits what an earlier one cached); the table shows the median run,
+and every run's output tok/s, the median and the min–max spread are printed. --json FILE: the runs, their step
+timelines, the plotted series, the command line, the machine (GPU, driver, CPUs), the versions and the date.
+--plot PNG: output tok/s over wall time, each point the mean over a window of wall time (smoothed: not per step, see
+smoothed()), the decode roofline of the same steps as a line, and the decode batch beneath.
+--device cpu: the same loop on e05's engine with a tiny dummy Qwen3 (a smoke run of the bench, not a measurement).
 """
 
 from __future__ import annotations
@@ -17,15 +24,20 @@ from __future__ import annotations
 import json
 import time
 
-from .common import (build_engine, event_ms, hbm_peak, hf_config, replay_ms, time_calls, watch_compiles,
-                     workload)
+from .common import (build_engine, command_line, cpu_copy_gbps, event_ms, fresh_tokens, hbm_peak, hf_config,
+                     machine_info, replay_ms, time_calls, watch_compiles, workload)
 
 
 def run_engine(args, prompts, out_lens, tp: int = 1) -> dict:
+    """Build and warm up the engine once, then run the timed workload args.repeats times (run r > 0 on fresh_tokens:
+    the same lengths, other token ids). The result holds the median run's figures (the lower middle one when the
+    number of runs is even) and timeline, every run's figures in "runs", and the min / max of output tok/s."""
     import torch
+    cuda = getattr(args, "device", "cuda") != "cpu"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     llm, SamplingParams, startup = build_engine(args, prompts, tp)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in out_lens]
-    steps: list[tuple[float, int, bool]] = []       # (seconds, tokens sampled, decode step?)
+    steps: list[tuple[float, int, bool, float]] = []   # (seconds, tokens sampled, decode step?, seconds since start)
     inner = llm.step
     own = getattr(llm.runner, "inner", llm.runner)      # under TP, rank 0's runner inside the step-sending wrapper
     timers = {"schedule": (llm.scheduler, "schedule"), "postprocess": (llm.scheduler, "postprocess"),
@@ -33,47 +45,66 @@ def run_engine(args, prompts, out_lens, tp: int = 1) -> dict:
               "prefill forward (launch)": (own, "_run_prefill")}
     if hasattr(llm, "_resolve"):          # g01's async step: an overlapped step waits for the previous one in here
         timers["resolve"] = (llm, "_resolve")
-    host, restore_calls = time_calls(timers)
+    host, restore_calls = time_calls({k: v for k, v in timers.items() if hasattr(*v)})
+    was_decode = _decode_flag(llm)
+    clock = [0.0]
 
     def step():
         t = time.perf_counter()
         events = inner()
-        steps.append((time.perf_counter() - t, len(events), llm.runner.last_was_decode))
+        now = time.perf_counter()
+        steps.append((now - t, len(events), was_decode(), now - clock[0]))
         return events
     llm.step = step
-    torch.cuda.synchronize()
-    with watch_compiles() as compiled:
-        t = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t
-    tokens = sum(len(o.token_ids) for o in outs)
-    assert tokens == sum(out_lens), f"engine produced {tokens} tokens, expected {sum(out_lens)}"
     prompt_tokens = sum(len(p) for p in prompts)
-    decode_steps = [s for s in steps if s[2]]
-    prefill_time = sum(s[0] for s in steps if not s[2])
-    decode_time = sum(s[0] for s in decode_steps)
-    decode_tokens = sum(s[1] for s in decode_steps)
-    result = dict(engine="course", model=args.model, num_seqs=len(prompts), output_tokens=tokens,
-                  prompt_tokens=prompt_tokens, seconds=wall, tok_per_s=tokens / wall,
-                  prefill_tok_per_s=prompt_tokens / max(prefill_time, 1e-9),
-                  decode_tok_per_s=decode_tokens / max(decode_time, 1e-9), steps=len(steps),
-                  mean_step_ms=1e3 * wall / max(len(steps), 1),
-                  mean_decode_step_ms=1e3 * decode_time / max(len(decode_steps), 1),
-                  kv_blocks=llm.runner.num_blocks, block_size=args.block_size,
-                  cuda_graph_buckets=sorted(llm.runner.graphs), startup_s=startup,
-                  triton_compiles_in_timed_run=compiled, free_gib_at_start=args._free_at_start)
-    result["timeline"] = steps
+    runs = []
+    for r in range(args.repeats):
+        run_prompts = prompts if r == 0 else fresh_tokens(prompts, seed=r)
+        steps.clear()
+        for k in host:
+            host[k] = 0.0
+        sync()
+        with watch_compiles() as compiled:
+            clock[0] = t = time.perf_counter()
+            outs = llm.generate(run_prompts, params)
+            sync()
+            wall = time.perf_counter() - t
+        tokens = sum(len(o.token_ids) for o in outs)
+        assert tokens == sum(out_lens), f"engine produced {tokens} tokens, expected {sum(out_lens)}"
+        timeline = list(steps)
+        decode_steps = [s for s in timeline if s[2]]
+        prefill_time = sum(s[0] for s in timeline if not s[2])
+        decode_time = sum(s[0] for s in decode_steps)
+        run = dict(run=r + 1, token_seed="nano-vllm (random.seed(0))" if r == 0 else r, seconds=wall,
+                   tok_per_s=tokens / wall, prefill_tok_per_s=prompt_tokens / max(prefill_time, 1e-9),
+                   decode_tok_per_s=sum(s[1] for s in decode_steps) / max(decode_time, 1e-9), steps=len(timeline),
+                   mean_step_ms=1e3 * wall / max(len(timeline), 1),
+                   mean_decode_step_ms=1e3 * decode_time / max(len(decode_steps), 1),
+                   triton_compiles_in_timed_run=list(compiled),
+                   host_ms_per_step={k: 1e3 * v / max(len(timeline), 1) for k, v in host.items()})
+        print("RESULT", json.dumps(run), flush=True)
+        run["timeline"] = timeline
+        runs.append(run)
     restore_calls()
-    result["host_ms_per_step"] = {k: 1e3 * v / max(len(steps), 1) for k, v in host.items()}
-    print("RESULT", {k: v for k, v in result.items() if k != "timeline"}, flush=True)
-    if llm.runner.graphs:
+    rates = [r["tok_per_s"] for r in runs]
+    mid = sorted(runs, key=lambda r: r["tok_per_s"])[(len(runs) - 1) // 2]
+    result = dict(engine="course", model=args.model if cuda else "tiny dummy Qwen3 (CPU smoke run)",
+                  device="cuda" if cuda else "cpu", num_seqs=len(prompts), output_tokens=sum(out_lens),
+                  prompt_tokens=prompt_tokens, **{k: v for k, v in mid.items() if k not in ("run", "token_seed")},
+                  median_run=mid["run"], repeats=len(runs), tok_per_s_min=min(rates), tok_per_s_max=max(rates),
+                  tok_per_s_spread=(max(rates) - min(rates)) / mid["tok_per_s"],
+                  runs=[{k: v for k, v in r.items() if k != "timeline"} for r in runs],
+                  run_timelines=[r["timeline"] for r in runs],
+                  kv_blocks=getattr(llm.runner, "num_blocks", None) or llm.config.num_kvcache_blocks,
+                  block_size=args.block_size, cuda_graph_buckets=sorted(getattr(llm.runner, "graphs", None) or []),
+                  startup_s=startup, free_gib_at_start=args._free_at_start)
+    if getattr(llm.runner, "graphs", None):
         try:
             with torch.inference_mode():
                 # the full-batch decode steps run right after the prefills: context ~ prompt + a few tokens
                 full = min(len(prompts), args.max_num_seqs)
                 result["gpu_decode_step_ms"] = graph_step_ms(llm, full, sum(map(len, prompts)) // len(prompts) + 32)
-                walls = [s[0] for s in steps if s[2] and s[1] == full]
+                walls = [s[0] for s in mid["timeline"] if s[2] and s[1] == full]
                 result["full_batch_decode_step_ms"] = 1e3 * sum(walls) / max(len(walls), 1)
         except Exception as exc:          # a diagnostic only: never lose the measured throughput over it
             print(f"graph_step_ms failed: {exc!r}")
@@ -88,12 +119,29 @@ def run_engine(args, prompts, out_lens, tp: int = 1) -> dict:
                       allreduce_count=2 * text.num_hidden_layers + 1)
         result["allreduce_ms"] = llm.tp.call(_allreduce_ms, result["allreduce_count"], result["batch"], text.hidden_size)
     llm.step = inner
-    llm.close()
+    if hasattr(llm, "close"):
+        llm.close()
     del llm, inner, step
     import gc
     gc.collect()
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     return result
+
+
+def _decode_flag(llm):
+    """A function saying whether the step just run (under async scheduling: just launched) was a pure decode step:
+    g01's runner says so itself; on e05's (the CPU smoke run) a wrapper around runner.run looks at the batch."""
+    if hasattr(llm.runner, "last_was_decode"):
+        return lambda: llm.runner.last_was_decode
+    flag = [False]
+    run = llm.runner.run
+
+    def wrapped(seqs):
+        flag[0] = bool(seqs) and all(s.num_scheduled_tokens == 1 for s in seqs)
+        return run(seqs)
+    llm.runner.run = wrapped            # an instance attribute: restore_calls' delattr removes it with the timer
+    return lambda: flag[0]
 
 
 def time_breakdown(result: dict) -> list[str]:
@@ -117,22 +165,140 @@ def time_breakdown(result: dict) -> list[str]:
     return lines
 
 
-def roofline_line(eng: dict, prompts, out_lens) -> str:
-    """The decode phase's bytes / the copy bandwidth measured now, beside the measured decode time (roofline.py)."""
+def roofline_line(eng: dict, prompts, out_lens, gb_per_s: float | None = None) -> str:
+    """The decode phase's bytes / the copy bandwidth measured now (gb_per_s; None: hbm_peak()), beside the measured
+    decode time (roofline.py). Leaves the bound in eng["decode_bound"] (with the whole workload's, prefill at its
+    measured time, as "workload_tok_per_s")."""
     from .roofline import decode_bound
     n = eng["num_seqs"]
     bound = eng["decode_bound"] = decode_bound(eng["engine_bytes"], [len(p) for p in prompts[:n]], out_lens[:n],
-                                               hbm_peak())
+                                               hbm_peak() if gb_per_s is None else gb_per_s)
     tb = {k: v / 1e12 for k, v in bound["bytes"].items()}
     decode = sum(s[0] for s in eng["timeline"] if s[2])
     prefill = sum(s[0] for s in eng["timeline"] if not s[2])
+    bound["workload_tok_per_s"] = eng["output_tokens"] / (bound["seconds"] + prefill)
+    bound["share_of_decode_bound"] = bound["seconds"] / max(decode, 1e-9)
     moe = " (experts: the expected distinct ones under uniform routing)" if eng["engine_bytes"]["num_experts"] else ""
     return (f"decode roofline at the copy bandwidth measured now ({bound['gb_per_s']:.0f} GB/s): K/V {tb['kv']:.2f} TB + "
             f"weights {tb['weights']:.2f} TB{moe} + GDN states {tb['gdn']:.2f} TB + logits {tb['logits']:.2f} TB over "
             f"{bound['steps']} steps = {bound['seconds']:.2f} s; measured decode {decode:.2f} s "
             f"({bound['seconds'] / max(decode, 1e-9):.0%} of the bound's speed); with the measured prefill time "
-            f"({prefill:.2f} s) this workload is bounded at {eng['output_tokens'] / (bound['seconds'] + prefill):.0f} "
-            f"output tok/s")
+            f"({prefill:.2f} s) this workload is bounded at {bound['workload_tok_per_s']:.0f} output tok/s")
+
+
+def step_floors(timeline, sizes: dict, prompt_lens: list[int], out_lens: list[int], gb_per_s: float) -> list[float]:
+    """The least time the roofline allows each step of a timeline: a decode step of batch b moves at least the bytes of
+    the bench schedule's cheapest step of that batch (roofline.decode_steps; a batch the schedule never runs: b
+    sequences at the shortest prompt + 1); a prefill or mixed step keeps its measured time (the roofline leaves
+    prefill out, as roofline_line does)."""
+    from .roofline import decode_steps, step_bytes
+    fewest: dict[int, float] = {}
+    for batch, nbytes in decode_steps(sizes, prompt_lens, out_lens):
+        fewest[batch] = min(fewest.get(batch, float("inf")), sum(nbytes.values()))
+    shortest = min(prompt_lens) + 1
+    floors = []
+    for seconds, tokens, decode, *_ in timeline:
+        if not decode:
+            floors.append(seconds)
+        elif tokens == 0:
+            floors.append(0.0)
+        else:
+            nbytes = fewest.get(tokens) or sum(step_bytes(sizes, tokens, tokens * shortest).values())
+            floors.append(nbytes / (gb_per_s * 1e9))
+    return floors
+
+
+def smoothed(timeline, floors: list[float] | None, window: float, points: int = 400) -> dict:
+    """Output tok/s over wall time, smoothed over `window` seconds (not per step: under async scheduling a step's call
+    returns the previous step's tokens, and an overlapped call that finds them ready takes microseconds, so per-step
+    rates spike far above anything the GPU did), and the roofline over the same windows.
+
+    Each step's tokens (and its floor, step_floors) are spread evenly over the step's own interval of the timeline;
+    the point at time T counts the tokens in [T - window/2, T + window/2] (clipped to the run) over the window's length,
+    and the bound there is the same tokens over the floors of the same (fractions of) steps. The steps follow one
+    another, so the measured point lies under the bound wherever the steps took at least their floors."""
+    import numpy as np
+    dur = np.array([s[0] for s in timeline], dtype=float)
+    tokens = np.array([s[1] for s in timeline], dtype=float)
+    end = np.array([s[3] for s in timeline], dtype=float)
+    start = end - dur
+    wall = float(end.max()) if len(end) else 0.0
+    t = np.linspace(0.0, wall, points)
+    lo, hi = np.clip(t - window / 2, 0, wall), np.clip(t + window / 2, 0, wall)
+    overlap = np.clip(np.minimum(hi[:, None], end[None, :]) - np.maximum(lo[:, None], start[None, :]), 0, None)
+    frac = np.clip(overlap / np.maximum(dur, 1e-12)[None, :], 0, 1)
+    in_window = frac @ tokens
+    length = np.maximum(hi - lo, 1e-12)
+    series = dict(window_s=window, t=t.tolist(), measured=(in_window / length).tolist(), bound=None)
+    if floors is not None:
+        need = frac @ np.asarray(floors, dtype=float)
+        series["bound"] = [float(n / f) if f > 0 else None for n, f in zip(in_window, need)]
+    decode = [(s[3], s[1]) for s in timeline if s[2]]
+    series["batch_t"] = [e for e, _ in decode]
+    series["batch"] = [b for _, b in decode]
+    series["prefill_spans"] = _spans([(s[3] - s[0], s[3]) for s in timeline if not s[2]])
+    return series
+
+
+def _spans(intervals: list[tuple[float, float]], gap: float = 1e-3) -> list[tuple[float, float]]:
+    """Intervals merged where they (nearly) touch: the prefill / mixed stretches of a run."""
+    merged: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1] + gap:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def plot_window(timeline) -> float:
+    """Seconds of wall time a plotted point averages over: 20 median steps, and at least 1 % of the run."""
+    import statistics
+    if not timeline:
+        return 1.0
+    return max(20 * statistics.median(s[0] for s in timeline), timeline[-1][3] / 100)
+
+
+def plot_title(eng: dict, where: str, date: str) -> str:
+    head = f"{eng['tok_per_s']:,.0f} output tok/s"
+    if eng.get("repeats", 1) > 1:
+        head += (f" (median of {eng['repeats']} runs, {eng['tok_per_s_min']:,.0f}–{eng['tok_per_s_max']:,.0f}, "
+                 f"spread {eng['tok_per_s_spread']:.1%})")
+    bound = eng.get("decode_bound")
+    if bound:
+        head += f"; decode at {bound['share_of_decode_bound']:.0%} of its roofline"
+    return f"./check.sh bench: {eng['model']} on {where}, {date}\n{eng['num_seqs']} requests, {head}"
+
+
+def render_plot(path: str, series: dict, title: str) -> None:
+    """The PNG of --plot: smoothed throughput and the roofline above, the decode batch size beneath (English labels:
+    the machine that draws it may have no CJK font)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True, gridspec_kw=dict(height_ratios=[3, 1.4]))
+    for ax in (top, bottom):
+        for a, b in series["prefill_spans"]:
+            ax.axvspan(a, b, color="0.9", lw=0)
+    top.plot(series["t"], series["measured"], lw=1.4, color="C0",
+             label=f"measured output tok/s (mean over {series['window_s']:.2f} s windows of wall time)")
+    if series.get("bound"):
+        bound = [float("nan") if b is None else b for b in series["bound"]]
+        top.plot(series["t"], bound, lw=1.2, ls="--", color="C3",
+                 label="decode roofline: the same steps at bytes / copy bandwidth (prefill at its measured time)")
+    top.set_ylabel("output tokens / s")
+    top.set_ylim(bottom=0)
+    top.grid(alpha=0.3)
+    top.legend(loc="upper right", fontsize=8)
+    bottom.step(series["batch_t"], series["batch"], where="pre", lw=1, color="C2")
+    bottom.set_ylabel("decode batch\n(sequences / step)")
+    bottom.set_xlabel("wall time (s); grey: prefill and mixed steps")
+    bottom.set_ylim(bottom=0)
+    bottom.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def graph_step_ms(llm, batch: int, context: int) -> float:
@@ -198,7 +364,8 @@ def run_hf_peer(args, prompts, out_lens) -> dict:
 
 
 def bench(args, argv: list[str], say) -> int:
-    """`./check.sh bench [options]` on a GPU (cli.py parsed argv into args; the child processes get argv again)."""
+    """`./check.sh bench [options]` on a GPU, or the smoke run with --device cpu (cli.py parsed argv into args; the child
+    processes get argv again)."""
     import torch
     if args.tp > 1 or args.tp_run:
         return bench_tp(args, argv, say)
@@ -210,6 +377,7 @@ def bench(args, argv: list[str], say) -> int:
         print("ENGINE_JSON " + json.dumps(result), flush=True)
         return 0
     from rich.table import Table
+    cpu = args.device == "cpu"
     if args.peer == "hf":                       # every engine in its own process: the whole GPU each
         n = min(args.peer_num_seqs or args.num_seqs, args.num_seqs)
         runs = [("course", args.num_seqs)] + ([("course", n)] if n != args.num_seqs else []) + [("hf", n)]
@@ -223,7 +391,9 @@ def bench(args, argv: list[str], say) -> int:
             results.append(r)
     else:
         results = [run_engine(args, prompts, out_lens)]
-    table = Table(title=f"./check.sh bench --model {args.model}  ({torch.cuda.get_device_name()})")
+    where = "CPU" if cpu else torch.cuda.get_device_name()
+    table = Table(title=f"./check.sh bench --model {args.model}  ({where})" if not cpu else
+                  "./check.sh bench --device cpu  (tiny dummy Qwen3 on the CPU: a smoke run, not a measurement)")
     for col in ("engine", "prompts", "output tok", "seconds", "output tok/s", "prefill tok/s", "decode tok/s",
                 "mean step ms", "decode step ms", "free GiB at start"):
         table.add_column(col)
@@ -234,10 +404,11 @@ def bench(args, argv: list[str], say) -> int:
                       f"{r.get('mean_decode_step_ms', 0):.2f}", f"{r.get('free_gib_at_start', 0):.1f}")
     say(table)
     eng = results[0]
+    say(runs_line(eng))
     say(f"KV blocks {eng['kv_blocks']} × {eng['block_size']} tokens; CUDA-graph buckets {eng['cuda_graph_buckets']}; "
         f"start-up {eng['startup_s']:.1f} s")
-    compiled = eng.get("triton_compiles_in_timed_run", [])
-    say(f"Triton compiles during the timed run: {len(compiled)}"
+    compiled = [name for run in eng.get("runs", [eng]) for name in run.get("triton_compiles_in_timed_run", [])]
+    say(f"Triton compiles during the timed runs: {len(compiled)}"
         + (f" ({', '.join(sorted(set(compiled)))}: their compile time is in the wall time above)" if compiled else ""))
     if "gpu_decode_step_ms" in eng:
         wall = eng.get("full_batch_decode_step_ms", eng["mean_decode_step_ms"])
@@ -250,7 +421,7 @@ def bench(args, argv: list[str], say) -> int:
         say(line)
     if "engine_bytes" in eng and eng["num_seqs"] <= args.max_num_seqs:     # all running at once: the bound's schedule
         try:
-            say(roofline_line(eng, prompts, out_lens))
+            say(roofline_line(eng, prompts, out_lens, cpu_copy_gbps() if cpu else None))
         except Exception as exc:          # a diagnostic only: never lose the measured throughput over it
             say(f"roofline failed: {exc!r}")
     if args.peer == "hf":
@@ -260,28 +431,49 @@ def bench(args, argv: list[str], say) -> int:
             say(f"[red]不比较：两次运行开始时空闲显存不同（本课 {free[0]:.1f} GiB，HF {free[1]:.1f} GiB），条件不对等。[/]")
         else:
             say(f"[bold]ratio course / HF on the same {ours['num_seqs']} prompts, each in its own process "
-                f"({free[0]:.1f} / {free[1]:.1f} GiB free at start): {ours['tok_per_s'] / hf['tok_per_s']:.1f}×[/]")
+                f"({free[0]:.1f} / {free[1]:.1f} GiB free at start): {ours['tok_per_s'] / hf['tok_per_s']:.1f}×[/]"
+                + (f" (course: the median of {ours['repeats']} runs; HF: one run)" if ours.get("repeats", 1) > 1 else ""))
+    machine = machine_info()
+    series = None
+    if args.plot or args.json:
+        n = eng["num_seqs"]
+        bound = eng.get("decode_bound")
+        floors = step_floors(eng["timeline"], eng["engine_bytes"], [len(p) for p in prompts[:n]], out_lens[:n],
+                             bound["gb_per_s"]) if bound else None
+        series = smoothed(eng["timeline"], floors, plot_window(eng["timeline"]))
     if args.plot:
         try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-            tl = eng["timeline"]
-            t = [sum(s[0] for s in tl[:i + 1]) for i in range(len(tl))]
-            fig, ax = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
-            ax[0].plot(t, [s[1] / s[0] for s in tl], lw=0.6)
-            ax[0].set_ylabel("tokens/s per step")
-            ax[1].plot(t, [s[1] for s in tl], lw=0.6)
-            ax[1].set_ylabel("tokens sampled")
-            ax[1].set_xlabel("seconds")
-            fig.savefig(args.plot, dpi=120)
+            render_plot(args.plot, series, plot_title(eng, "CPU" if cpu else machine.get("gpu", where),
+                                                      machine["date"][:10]))
+            say(f"plot: {args.plot}（吞吐按 {series['window_s']:.2f} s 的墙钟时间窗口平滑；虚线是同样这些步按 roofline 的上限）")
         except ImportError:
             say("matplotlib 不可用，跳过 --plot")
-    line = json.dumps([{k: v for k, v in r.items() if k != "timeline"} for r in results])
+    line = json.dumps([{k: v for k, v in r.items() if k not in ("timeline", "run_timelines")} for r in results])
     print("BENCH_JSON " + line)
     if args.json:
-        open(args.json, "w").write(line)
+        doc = dict(command=command_line(argv), argv=argv, machine=machine,
+                   workload=dict(model=eng["model"], device=args.device, num_seqs=args.num_seqs,
+                                 max_input_len=args.max_input_len, max_output_len=args.max_output_len,
+                                 max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                                 block_size=args.block_size, repeats=args.repeats),
+                   results=[{k: v for k, v in r.items() if k not in ("timeline", "run_timelines")} for r in results],
+                   timelines=[[[round(x, 6) if isinstance(x, float) else x for x in step] for step in tl]
+                              for tl in eng.get("run_timelines", [])],
+                   plot=series)
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(doc, f, ensure_ascii=False)
     return 0
+
+
+def runs_line(eng: dict) -> str:
+    """Every timed run's output tok/s, the median and the min–max spread (the table shows the median run)."""
+    runs = eng.get("runs", [])
+    if len(runs) <= 1:
+        return "1 timed run (--repeats N: N runs on one engine, the median and the min–max spread)"
+    each = ", ".join(f"{r['tok_per_s']:.0f}" for r in runs)
+    return (f"{len(runs)} timed runs, output tok/s: {each}; median {eng['tok_per_s']:.0f} (run {eng['median_run']}, "
+            f"shown above), min–max {eng['tok_per_s_min']:.0f}–{eng['tok_per_s_max']:.0f}, spread "
+            f"{eng['tok_per_s_spread']:.1%}")
 
 
 def _child(argv: list[str], engine: str, count: int, say) -> dict | None:
@@ -324,6 +516,7 @@ def bench_tp(args, argv: list[str], say) -> int:
     if args.tp_run:                                     # the child: one engine, one JSON line
         result = run_engine(args, *workload(args.num_seqs, args.max_input_len, args.max_output_len), tp=args.tp_run)
         result.pop("timeline")
+        result.pop("run_timelines")
         print("TP_JSON " + json.dumps({"tp": args.tp_run, "allreduce_ms": 0.0, **result}), flush=True)
         return 0
     if torch.cuda.device_count() < args.tp:

@@ -27,7 +27,7 @@ import statistics
 import time
 
 from ..runtime.run import tiny_hybrid_config
-from .common import hf_config, watch_compiles
+from .common import command_line, hf_config, machine_info, watch_compiles
 
 CPU_DEFAULTS = dict(conversations=4, turns=3, system_len=96, message_len=16, answer_len=24, block_size=16,
                     max_num_batched_tokens=256, snapshots=16)
@@ -224,6 +224,9 @@ def run(args, say) -> int:
     say(f"engine files: {on['engine files']}")
     line = json.dumps(dict(off=off, on=on, prefill_ratio=fewer, ttft_ratio=faster, runs=per_run))
     print("BENCH_JSON " + line)
-    if args.json:
-        open(args.json, "w").write(line)
+    if args.json:                    # the same, with every run, the command line, the machine and the versions
+        doc = dict(json.loads(line), all_runs=[list(run) for run in runs],
+                   command=command_line(getattr(args, "argv", [])), machine=machine_info())
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(doc, f, ensure_ascii=False)
     return 0

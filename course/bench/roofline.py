@@ -38,20 +38,32 @@ def engine_bytes(model, runner) -> dict:
                 logits_per_seq=2 * cfg.vocab_size * embed.element_size())
 
 
-def decode_bound(sizes: dict, prompt_lens: list[int], out_lens: list[int], gb_per_s: float) -> dict:
-    """Bytes by kind over the bench's decode steps and the seconds they take at gb_per_s (1e9 bytes per second)."""
-    lens, outs = np.asarray(prompt_lens, np.int64), np.asarray(out_lens, np.int64)
+def step_bytes(sizes: dict, batch: int, context_tokens: int) -> dict:
+    """Bytes by kind of one decode step of `batch` sequences whose contexts add up to `context_tokens`."""
     E, k = sizes["num_experts"], sizes["top_k"]
-    total = dict(kv=0.0, weights=0.0, gdn=0.0, logits=0.0)
-    steps = 0
+    hit = 1 - (1 - k / E) ** batch if E else 0.0                  # expected share of the experts read
+    return dict(kv=float(context_tokens) * sizes["kv_per_token"],
+                weights=sizes["dense_weights"] + hit * sizes["expert_weights"],
+                gdn=batch * sizes["gdn_per_seq"], logits=batch * sizes["logits_per_seq"])
+
+
+def decode_steps(sizes: dict, prompt_lens: list[int], out_lens: list[int]) -> list[tuple[int, dict]]:
+    """(sequences decoded, bytes by kind) of every decode step of the bench's schedule, in order."""
+    lens, outs = np.asarray(prompt_lens, np.int64), np.asarray(out_lens, np.int64)
+    found = []
     for t in range(1, int(outs.max())):
         live = outs > t
         b = int(live.sum())
-        steps += 1
-        total["kv"] += float((lens[live] + t).sum()) * sizes["kv_per_token"]
-        hit = 1 - (1 - k / E) ** b if E else 0.0                      # expected share of the experts read
-        total["weights"] += sizes["dense_weights"] + hit * sizes["expert_weights"]
-        total["gdn"] += b * sizes["gdn_per_seq"]
-        total["logits"] += b * sizes["logits_per_seq"]
+        found.append((b, step_bytes(sizes, b, int((lens[live] + t).sum()))))
+    return found
+
+
+def decode_bound(sizes: dict, prompt_lens: list[int], out_lens: list[int], gb_per_s: float) -> dict:
+    """Bytes by kind over the bench's decode steps and the seconds they take at gb_per_s (1e9 bytes per second)."""
+    total = dict(kv=0.0, weights=0.0, gdn=0.0, logits=0.0)
+    steps = decode_steps(sizes, prompt_lens, out_lens)
+    for _, nbytes in steps:
+        for kind, value in nbytes.items():
+            total[kind] += value
     seconds = sum(total.values()) / (gb_per_s * 1e9)
-    return dict(bytes=total, steps=steps, seconds=seconds, gb_per_s=gb_per_s)
+    return dict(bytes=total, steps=len(steps), seconds=seconds, gb_per_s=gb_per_s)
