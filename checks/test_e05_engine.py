@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import io
+import re
 import tempfile
 import traceback
 from pathlib import Path
@@ -210,14 +212,20 @@ def test_bad_input_is_isolated():
     folder, prompts, refs = _case("qwen3", r.seed)
     llm = m.LLM(str(folder), max_model_len=64)
     good = _greedy(e01)
-    batch = [prompts[0], [], list(range(1, 70)), [5, 80, 3], prompts[1]]
-    params = [good, good, good, good, good]
-    with _engine("坏输入的 generate"):
+    batch = [prompts[0], [], list(range(1, 70)), [5, 80, 3, 95], prompts[1], [7, -1, 2]]
+    params = [good] * len(batch)
+    stderr = io.StringIO()
+    with _engine("坏输入的 generate"), contextlib.redirect_stderr(stderr):
         outs = llm.generate(batch, params)
     _assert_same([outs[0], outs[4]], [refs[0], refs[1]], [prompts[0], prompts[1]], "坏请求旁边的正常请求", r)
-    for i, needle in ((1, "empty"), (2, "max_model_len"), (3, "vocab")):
-        assert outs[i].error and needle in outs[i].error, f"坏请求 {i} 的错误信息应提到 {needle!r}，得到 {outs[i].error!r}"
+    for i, needle in ((1, "empty"), (2, "max_model_len"), (3, "vocab"), (5, "vocab")):
+        assert outs[i].error and needle in outs[i].error, (
+            f"坏请求 {i}（prompt {batch[i] if len(batch[i]) < 8 else '…'}）的错误信息应提到 {needle!r}，得到 {outs[i].error!r}"
+            + ("（-1 也不在 [0, vocab_size) 里：只查了上界？）" if i == 5 else ""))
         assert outs[i].token_ids == [], f"坏请求 {i} 不应产生 token"
+    assert "80" in outs[3].error, f"prompt [5, 80, 3, 95] 的错误信息应写出第一个越界的 id 80，得到 {outs[3].error!r}"
+    assert not re.search(r"\d+%\|", stderr.getvalue()), \
+        f"generate(use_tqdm=False)（默认）不应画进度条，stderr 里却有：{stderr.getvalue()[-200:]!r}"
     with _engine("非法采样参数的 generate"):
         outs = llm.generate([prompts[0], prompts[1], prompts[2]], [dict(temperature=-1.0), good, dict(temprature=0.0)])
     assert outs[0].error and "temperature" in outs[0].error, f"非法 temperature 的错误信息：{outs[0].error!r}"
@@ -306,6 +314,7 @@ def test_card_example():
         events = list(llm.stream(prompts, greedy))
     assert events[0][0] == 2 and events[0][1] is None and "empty" in (events[0][3] or ""), \
         f"空 prompt 应先得到一个带错误的事件，得到 {events[0]}"
+    assert events[0][2] is True, f"被拒绝的请求的事件 finished 应为 True（它已经结束，不会再有事件），得到 {events[0]}"
     tokens = {i: [t for j, t, _, _ in events[1:] if j == i] for i in (0, 1, 3)}
     assert tokens == {0: [28, 4, 58, 20, 63], 1: [41, 26, 41, 26], 3: [34, 22, 48]}, f"卡片例子的 token：{tokens}"
     stats = llm.stats
