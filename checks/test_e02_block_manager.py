@@ -39,6 +39,9 @@ REREGISTERED = ("驱逐时没有核对登记是否还指向这个块：同样内
                 "删掉它就丢了一个仍然有效的缓存条目（_uncache_block 只在 hash_to_block_id.get(h) == block_id 时删）")
 NO_COPY = "Sequence 没有复制调用者的 token 列表：append_token 改动了调用者的列表（self.token_ids = list(token_ids)）"
 OFF_BY_ONE = "may_append 的块边界差一：新块应在新 token 是某块第一个 token 时分配（len(seq) % block_size == 1），块刚写满（% == 0）时只登记哈希"
+FIRST_BLOCK = "may_append 写满第 0 块时也去取前一块（block_table[-2]）的哈希：第 0 块前面没有块，链式哈希的前缀是 -1"
+BOUNDARY = ("判断“没算完”的边界差一：块 i 覆盖 token [i·bs, (i+1)·bs)，(i+1)·bs == num_cached_tokens 时它刚好算完，"
+            "应留作缓存（(i + 1) * block_size > num_cached_tokens 才驱逐，不是 >=）")
 
 CRASHES = {
     "list index out of range": "下标越界：检查 block_table 的长度与 seq.num_blocks 是否一致",
@@ -275,6 +278,10 @@ def _release(bm, seq, live: list, what: str, r: Rand | None = None) -> None:
         if (i + 1) * bs > computed and bm.blocks[b].ref_count == 0 and b in bm.hash_to_block_id.values():
             _fail(f"{what}：序列只算出了前 {computed} 个 token 的 KV，第 {i} 块（块 {b}）没算完，"
                   "释放后它却还登记在 hash_to_block_id 里", r, UNCOMPUTED)
+    for i, b in enumerate(table):                 # evicted (_uncache_block): no longer a cache entry, hash -1
+        if (i + 1) * bs > computed and bm.blocks[b].ref_count == 0 and bm.blocks[b].hash != -1:
+            _fail(f"{what}：第 {i} 块（块 {b}）没算完，释放时被驱逐了，它的 hash 应回到 -1（-1 = 不是缓存），"
+                  f"得到 {bm.blocks[b].hash}：_uncache_block 要 block.update(-1, [])", r)
 
 
 # ------------------------------------------------------------------------------------------ scenarios
@@ -291,6 +298,20 @@ def test_allocate_append_free():
     seq.append_token(r.int(0, 999))
     if caller != snapshot or len(seq) != n_prompt + 1:
         _fail(f"Sequence(token_ids) 之后 append_token：调用者的列表从 {snapshot} 变成了 {caller}", r, NO_COPY)
+    # a prompt shorter than one block: the decode token that fills block 0 registers it with prefix -1
+    bm0, content, live = m.BlockManager(4, bs), {}, []
+    short = m.Sequence([r.int(0, 999) for _ in range(r.int(1, bs - 1))])
+    _admit(m, bm0, short, content, live, f"短 prompt（{len(short)} 个 token，block_size={bs}）", r)
+    while len(short) < bs:
+        short.append_token(r.int(0, 999))
+        try:
+            bm0.may_append(short)
+        except IndexError as exc:
+            _fail(f"短 prompt 追加到长度 {len(short)}（写满第 0 块）时 may_append 出错：IndexError: {exc}", r,
+                  FIRST_BLOCK if len(short.block_table) == 1 else None)
+        _compute(short, len(short), content)
+    _check_cache(m, bm0, live, f"短 prompt 在 decode 中写满第 0 块之后（长度 {bs}）", r)
+
     seq = m.Sequence(caller)
     content, live = {}, []
     free0 = bm.num_free_blocks
@@ -482,6 +503,30 @@ def test_chain():
         _fail(f"只有第 0 块能命中（第 1 块 miss，第 2、3 块虽然还在缓存里也不能用）；C 的 block_table {c.block_table}，"
               f"num_cached_tokens {got}；A 的 block_table {a.block_table}", r, PAST_MISS)
 
+    # the same tokens after another prefix are a miss, whichever physical block holds them: U's block 0 (u) is
+    # physical block 0 and blocks 1..n-1 all hold w (each under its own chained hash), so the first block, the
+    # last two and a repeated block all hold tokens that R and R2 ask for at a missing hash
+    n = r.int(5, 8)
+    bm2, content2, live2 = m.BlockManager(n, bs), {}, []
+    u, w = _blocks_of(r, 2, bs, lo=2000)
+    holder = m.Sequence(u + w * (n - 1))
+    _admit(m, bm2, holder, content2, live2, f"序列 U = u + w × {n - 1}（占满 {n} 个块）", r)
+    _release(bm2, holder, live2, "释放 U（它的块都算完了，留作缓存）", r)
+    probes = [("R = w + 1 个 token（w 在 U 里接在 u 之后，R 里在开头）", w + [3000], 0),
+              ("R2 = u + u + 1 个 token（u 重复，第二个接在 u 之后）", u + u + [3001], 1)]
+    for label, tokens, want in probes:
+        probe = m.Sequence(tokens)
+        with _explained():
+            hits = bm2._cached_prefix(probe)
+        if len(hits) > want:
+            _fail(f"{label}：_cached_prefix 应只命中开头 {want} 块，得到块 {hits}。第 {want} 块的链式哈希不在 hash_to_block_id 里，"
+                  f"是 miss；块 {hits[want:]} 里虽然是同样的 token，却接在另一段前缀之后。miss 只由 hash_to_block_id 决定："
+                  "get(h, -1) 得到 -1 就停，不能拿缺省值当块号去比 token", r)
+        if len(hits) < want:
+            _fail(f"{label}：第 0 块 u 的链式哈希登记在块 0 上（U 释放后仍是缓存），_cached_prefix 应命中 [0]，得到 {hits}", r)
+    for label, tokens, want in probes:
+        _admit(m, bm2, m.Sequence(tokens), content2, live2, label, r)
+
 
 @point("命中必须核对 token ids（人为制造一次哈希碰撞）")
 def test_collision():
@@ -634,7 +679,7 @@ def test_preempt_mid_prefill():
     _admit(m, bm, a, content, live, "序列 A", r, compute=False)
     table, hashes = list(a.block_table), _chain(m, a.token_ids, bs)
     j = r.int(1, k - 2)
-    _compute(a, j * bs + r.int(0, bs - 1), content)      # the first chunk: j full blocks and a bit more
+    _compute(a, j * bs + r.int(1, bs - 1), content)      # the first chunk: j full blocks and a bit more
     _release(bm, a, live, f"A 算完前 {a.num_cached_tokens} 个 token 后被抢占", r)
     lost = [i for i in range(j) if bm.hash_to_block_id.get(hashes[i]) != table[i]]
     if lost:
@@ -642,6 +687,19 @@ def test_preempt_mid_prefill():
     _admit(m, bm, a, content, live, "A 被重新接纳", r, compute=False)
     if a.num_cached_tokens != j * bs:
         _fail(f"A 重新接纳时只有前 {j} 块有 KV，num_cached_tokens 应为 {j * bs}，得到 {a.num_cached_tokens}", r, UNCOMPUTED)
+
+    # preempted again, this time exactly at the end of a block: that block is computed and stays cached
+    table = list(a.block_table)
+    j2 = r.int(j + 1, k - 1)
+    _compute(a, j2 * bs, content)
+    _release(bm, a, live, f"A 算完前 {j2 * bs} 个 token（恰好 {j2} 个整块）后再次被抢占", r)
+    lost = [i for i in range(j2) if bm.hash_to_block_id.get(hashes[i]) != table[i]]
+    if lost:
+        _fail(f"A 的前 {j2} 块都已算出 KV（num_cached_tokens = {j2 * bs}），被抢占后应留在缓存里；第 {lost} 块的登记不见了",
+              r, BOUNDARY if lost == [j2 - 1] else FORGET_ON_FREE)
+    _admit(m, bm, a, content, live, "A 第二次被重新接纳", r, compute=False)
+    if a.num_cached_tokens != j2 * bs:
+        _fail(f"A 第二次重新接纳时前 {j2} 块有 KV，num_cached_tokens 应为 {j2 * bs}，得到 {a.num_cached_tokens}", r)
     _compute(a, len(a), content)
     _check_accounting(bm, live, "A 重新接纳并算完之后", r)
     _check_cache(m, bm, live, "A 重新接纳并算完之后", r)

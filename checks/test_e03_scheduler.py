@@ -31,6 +31,11 @@ M_NO_SLOT = "decode 的新 token 进入新块时没有 can_append → may_append
 M_NOT_ADVANCED = "postprocess 没有把 num_cached_tokens 推进 num_scheduled_tokens：下一块又从旧位置开始"
 M_CHUNK_OFF = "关闭 chunked prefill 时仍按剩余预算切块：整段放不下就该等下一步"
 M_REJECT = "add 只看了 prompt：请求最长会长到 min(prompt + max_tokens, max_model_len)，KV 池放不下就该拒绝"
+M_CEIL = "add 的块数没有向上取整：最长 L 个 token 要 ceil(L / block_size) = (L + block_size - 1) // block_size 块"
+M_SKIP_BREAK = ("以为没算完的 prefill 总在最后：遇到它就 break 了，排在它后面的序列没有处理"
+                "（第 1 段的 decode 循环和 postprocess 都应 continue 跳过它）")
+M_YIELD_GOES_ON = "需要块的序列自己被抢占（让出）之后没有停下，又去抢占了更老的请求（if victim is seq: break）"
+M_PREEMPT_ONCE = "只抢占一次就 may_append：被抢占的请求的块可能还被别人引用、一块也没腾出来，要一直 can_append → 抢占，直到有空闲块"
 
 
 def fail(message: str, mistake: str | None = None, rand: Rand | None = None):
@@ -96,7 +101,7 @@ class Harness:
         self.free_after_schedule = self.bm.num_free_blocks
         self._check_batch(batch, running, waiting, remaining, free, owed)
         entries = [(self.name(q), q.num_cached_tokens, q.num_scheduled_tokens) for q in batch]
-        sizes = [(q, q.num_tokens, q.num_cached_tokens + q.num_scheduled_tokens) for q in batch]
+        sizes = [(q, q.num_tokens, q.num_cached_tokens, q.num_cached_tokens + q.num_scheduled_tokens) for q in batch]
         tokens = self._model(batch)
         finished = s.postprocess(batch, tokens)
         self._check_postprocess(sizes, finished)
@@ -164,7 +169,13 @@ class Harness:
         for q in batch:
             start, n = q.num_cached_tokens, q.num_scheduled_tokens
             if q.status != RUNNING or q not in s.running:
-                fail(f"{self.name(q)} 在 batch 里，但不是 RUNNING / 不在 running 里", rand=r)
+                later = running[running.index(q) + 1:] if q in running else []
+                again = q.status == WAITING and q in running      # preempted in the step that scheduled it
+                # every request newer than q was preempted before q: the one that needed a block (newer than q,
+                # since q was scheduled already) preempted itself, and the loop went on to older ones
+                fail(f"{self.name(q)} 在 batch 里，但不是 RUNNING / 不在 running 里"
+                     + ("：它排进本步的 batch 之后又被抢占了" if again else ""),
+                     M_YIELD_GOES_ON if again and later and all(x.status == WAITING for x in later) else None, r)
             if n < 1:
                 fail(f"{self.name(q)} 的 num_scheduled_tokens={n}：batch 里每个序列至少算 1 个 token", rand=r)
             if start + n > q.num_tokens:
@@ -198,9 +209,12 @@ class Harness:
             if remaining[id(q)] == 1 and q.status == RUNNING and id(q) not in in_batch:
                 prefill_ate = (sum(x.num_scheduled_tokens for x in batch) == cfg.max_num_batched_tokens
                                and all(x.num_scheduled_tokens > 1 or id(x) not in remaining for x in batch))
+                ahead = [x for x in running[:running.index(q)] if remaining[id(x)] > 1 and x.status == RUNNING]
                 fail(f"第 {self.num_steps} 步 running 里的 decode {self.name(q)} 没被调度"
-                     f"（batch：{[(self.name(x), x.num_scheduled_tokens) for x in batch]}）",
-                     M_PREFILL_FIRST if prefill_ate else None, r)
+                     f"（batch：{[(self.name(x), x.num_scheduled_tokens) for x in batch]}"
+                     + (f"；排在它前面的 {self.name(ahead[0])} 是没算完的 prefill" if ahead else "") + "）",
+                     M_PREFILL_FIRST if prefill_ate else M_SKIP_BREAK if ahead and total < cfg.max_num_batched_tokens
+                     else None, r)
 
         admitted = [q for q in waiting if id(q) in in_batch]
         if admitted != waiting[:len(admitted)]:
@@ -219,7 +233,8 @@ class Harness:
         r = self.r
         FINISHED = self.e02.SequenceStatus.FINISHED
         done = {id(q) for q in finished}
-        for q, num_tokens, end in sizes:
+        partial_before = None                                     # a partial chunk earlier in the batch
+        for q, num_tokens, start, end in sizes:
             if end < num_tokens:                                  # a partial prefill chunk
                 if q.num_tokens != num_tokens:
                     fail(f"{self.name(q)} 这一步只算到位置 {end - 1}（共 {num_tokens} 个 token），却追加了 token",
@@ -227,10 +242,14 @@ class Harness:
                 if q.num_cached_tokens != end:
                     fail(f"{self.name(q)} 算完位置 {end - 1} 后 num_cached_tokens 应为 {end}，得到 {q.num_cached_tokens}",
                          M_NOT_ADVANCED, r)
+                partial_before = partial_before or q
                 continue
             if id(q) not in done and q.num_cached_tokens != end:
-                fail(f"{self.name(q)} 算完位置 {end - 1} 后 num_cached_tokens 应为 {end}，得到 {q.num_cached_tokens}",
-                     M_NOT_ADVANCED, r)
+                untouched = partial_before is not None and q.num_cached_tokens == start and q.num_tokens == num_tokens
+                fail(f"{self.name(q)} 算完位置 {end - 1} 后 num_cached_tokens 应为 {end}，得到 {q.num_cached_tokens}"
+                     + (f"（postprocess 根本没处理它：batch 里排在它前面的 {self.name(partial_before)} 是部分 prefill 块）"
+                        if untouched else ""),
+                     M_SKIP_BREAK if untouched else M_NOT_ADVANCED, r)
             if q.num_tokens != num_tokens + 1:
                 fail(f"{self.name(q)} 的 token 全部算完，应追加 1 个采样出的 token（{num_tokens} → {num_tokens + 1}），"
                      f"得到 {q.num_tokens} 个", rand=r)
@@ -355,6 +374,25 @@ def test_chunked_prefill():
     h.run(max_steps=20)
     h.check_tokens()
 
+    # the decodes leave exactly 1 token of the budget: X is admitted with a 1-token chunk and continues 1 by 1
+    budget = r.int(3, 8)
+    h = Harness(r, block_size=r.choice([2, 4, 8]), num_blocks=80, max_num_seqs=budget, max_num_batched_tokens=budget,
+                max_model_len=64)
+    n = r.int(3, 8)
+    for i in range(budget - 1):                            # one-token prompts: decodes from step 2 on
+        h.add(f"D{i}", _tokens(r, 1), max_tokens=n + 2, ignore_eos=True)
+    seq = h.add("X", _tokens(r, n), max_tokens=2, ignore_eos=True)
+    chunks = []
+    while seq.num_completion_tokens == 0 and h.num_steps < n + 5:
+        batch, _ = h.step()
+        chunks += [(start, k) for name, start, k in batch if name == "X"]
+    want = [(i, 1) for i in range(n)]
+    if chunks != want:
+        fail(f"预算 {budget}，{budget - 1} 个 decode 每步只留下 1 个 token：{n} 个 token 的 X 应在第 1 步就被接纳、每步算 1 个，"
+             f"各块 (起始位置, token 数) 应为 {want}，得到 {chunks}（预算 > 0 就切一块，n = min(剩余, 预算) 可以是 1）", rand=r)
+    h.run(max_steps=40)
+    h.check_tokens()
+
 
 @point("关闭 chunked prefill：放不下的 prompt 整段等到预算够的那一步，后来的请求不插队")
 def test_no_chunking_waits():
@@ -428,22 +466,114 @@ def test_preemption_by_recompute():
     h.check_tokens()
 
 
+@point("抢占腾不出块：块还被别人引用时继续抢占下一个最新的；需要块的正是最新的，就让出自己并停下")
+def test_preemption_that_frees_nothing():
+    r = Rand()
+    bs = r.choice([2, 4])
+    status = impl("e02_block_manager").SequenceStatus
+    WAITING, RUNNING = status.WAITING, status.RUNNING
+
+    def hold_blocks_of(h, seq):
+        """Someone outside the scheduler holds seq's blocks (a sequence allocated directly in the block manager
+        that hits all of them): preempting seq frees none of them."""
+        holder = h.e02.Sequence(list(seq.token_ids[:seq.num_prompt_tokens]) + [r.int(1, VOCAB - 1)])
+        h.bm.allocate(holder)
+        if holder.num_cached_tokens != seq.num_prompt_tokens or h.bm.num_free_blocks:
+            fail(f"检查本身的问题：外部持有者应命中 {seq.num_prompt_tokens} 个 token、用掉最后一个空闲块", rand=r)
+        return holder
+
+    def critical_step(h, want_batch, want_preempted, stopped_early=lambda: False):
+        try:
+            batch, _ = h.step()
+        except KeyError as exc:                            # e02's _allocate_block: popitem of an empty free list
+            fail(f"第 {h.num_steps + 1} 步 schedule() 在没有空闲块时分配了块（KeyError: {exc}）："
+                 f"抢占之后空闲块可能仍是 0，may_append 之前要再问 can_append",
+                 M_PREEMPT_ONCE if stopped_early() else None, r)
+        if sorted(batch) != sorted(want_batch) or h.preempted != want_preempted:
+            fail(f"第 {h.num_steps} 步：batch 应为 {want_batch}、被抢占的（按 running 顺序）应为 {want_preempted}；"
+                 f"得到 batch {batch}、被抢占 {h.preempted}", rand=r)
+
+    # 1) S (oldest) needs a block; the newest V frees nothing when preempted (its blocks are held by someone
+    #    else), so M is preempted too, and only then S gets its block
+    j, k = r.int(1, 2), r.int(1, 2)
+    lm = r.int(bs + 1, 2 * bs - 1)                         # M: 2 blocks, its next token still fits
+    h = Harness(r, block_size=bs, num_blocks=j + 2 + k + 1, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    h.add("S", _tokens(r, j * bs), max_tokens=bs + 1, ignore_eos=True)   # its first decode token opens a block
+    m = h.add("M", _tokens(r, lm), max_tokens=bs, ignore_eos=True)
+    v = h.add("V", _tokens(r, k * bs), max_tokens=bs, ignore_eos=True)
+    h.step()
+    holder = hold_blocks_of(h, v)
+    critical_step(h, [("S", j * bs, 1)], ["M", "V"],
+                  stopped_early=lambda: v.status == WAITING and m.status == RUNNING)   # V preempted, M not
+    h.bm.deallocate(holder)
+    h.run(max_steps=60)
+    h.check_tokens()
+
+    # 2) the newest V needs a block and yields itself, but frees nothing: it stops there; A (older) keeps running
+    la, k = r.int(bs + 1, 2 * bs - 1), r.int(1, 3)
+    h = Harness(r, block_size=bs, num_blocks=2 + k + 1, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    h.add("A", _tokens(r, la), max_tokens=bs, ignore_eos=True)
+    v = h.add("V", _tokens(r, k * bs), max_tokens=bs, ignore_eos=True)
+    h.step()
+    holder = hold_blocks_of(h, v)
+    critical_step(h, [("A", la, 1)], ["V"])
+    if list(h.sched.waiting) != [v]:
+        fail(f"V 让出自己后应在 waiting 队首，waiting = {[h.name(q) for q in h.sched.waiting]}", rand=r)
+    h.bm.deallocate(holder)
+    h.run(max_steps=60)
+    h.check_tokens()
+
+
+@point("切短的 prefill 块（e07 的 HybridScheduler）：没算完的 prefill 不在最后时，后面的 decode 与序列照常处理")
+def test_prefill_cut_short_by_a_subclass():
+    r = Rand()
+    bs = r.choice([2, 4])
+    h = Harness(r, block_size=bs, num_blocks=32, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
+
+    class CutAtBlockEnd(h.m.Scheduler):
+        """As e07's HybridScheduler: after schedule(), every prefill chunk ends at the next block boundary."""
+
+        def schedule(self):
+            batch = super().schedule()
+            for q in batch:
+                if q.num_scheduled_tokens > 1:
+                    start = q.num_cached_tokens
+                    q.num_scheduled_tokens = min(q.num_scheduled_tokens, (start // bs + 1) * bs - start)
+            return batch
+
+    h.sched = CutAtBlockEnd(h.config, h.bm)
+    lx, ly = r.int(bs + 2, 3 * bs), r.int(2, bs)
+    h.add("X", _tokens(r, lx), max_tokens=3, ignore_eos=True)      # cut to one block: a prefill still in progress
+    h.add("Y", _tokens(r, ly), max_tokens=3, ignore_eos=True)      # whole in one chunk: decodes from step 2 on
+    log = [h.step()[0], h.step()[0]]
+    want = [[("X", 0, bs), ("Y", 0, ly)], [("Y", ly, 1), ("X", bs, min(bs, lx - bs))]]
+    if [sorted(b) for b in log] != [sorted(b) for b in want]:
+        fail(f"X 的 prefill 块被切短（每块到块边界为止），它在 running 里排在 Y 前面却还没算完：前两步应为 {want}，得到 {log}",
+             rand=r)
+    h.run(max_steps=30)
+    h.check_tokens()
+
+
 @point("add 拒绝 KV 池永远放不下的请求（ValueError），调度器照常工作")
 def test_rejects_what_never_fits():
     r = Rand()
     bs, num_blocks = 4, r.int(3, 6)
     h = Harness(r, block_size=bs, num_blocks=num_blocks, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64)
     capacity = bs * num_blocks
-    cases = [(capacity + r.int(1, 3), 1, None),                    # the prompt alone does not fit
-             (capacity - 2, r.int(4, 8), M_REJECT)]                # the prompt fits, but it would grow past the pool
+    grow = r.int(1, 3)
+    cases = [(capacity + bs + r.int(0, 2), 1, None),              # the prompt alone does not fit
+             (capacity - 2, r.int(bs + 2, 2 * bs + 2), M_REJECT),  # the prompt fits, but it would grow past the pool
+             (capacity + 1 - grow, grow, M_CEIL)]                  # it grows to capacity + 1 tokens: one block too many
     for prompt_len, max_tokens, mistake in cases:
         seq = h.e02.Sequence(_tokens(r, prompt_len), h.e01.SamplingParams(max_tokens=max_tokens))
         try:
             h.sched.add(seq)
         except ValueError:
             continue
-        fail(f"KV 池 {num_blocks}×{bs} = {capacity} 个 token；prompt {prompt_len} + max_tokens {max_tokens} 的请求应被"
-             "add 拒绝（ValueError），否则它会永远等块或抢占自己", mistake, r)
+        longest = prompt_len + max_tokens
+        fail(f"KV 池 {num_blocks}×{bs} = {capacity} 个 token；prompt {prompt_len} + max_tokens {max_tokens} 的请求最长 "
+             f"{longest} 个 token = {-(-longest // bs)} 块，应被 add 拒绝（ValueError），否则它会永远等块或抢占自己",
+             mistake, r)
     if h.sched.waiting or h.sched.running:
         fail("被拒绝的请求不应进入 waiting / running", rand=r)
     h.add("ok", _tokens(r, capacity - 3), max_tokens=3, ignore_eos=True)   # exactly the pool: accepted and served

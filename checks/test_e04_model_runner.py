@@ -29,8 +29,8 @@ def test_prepare_batch_card_example():
     # block size 4: A decodes its 7th token, B computes tokens 4..8 after a cached prefix, C is a fresh prompt
     a = _seq(e02, range(100, 107), cached=6, scheduled=1, table=[3, 0])
     b = _seq(e02, range(200, 209), cached=4, scheduled=5, table=[5, 1, 7])
-    c = _seq(e02, range(300, 303), cached=0, scheduled=3, table=[2])
-    ids, pos, ctx = m.prepare_batch([a, b, c], 4)
+    c_seq = _seq(e02, range(300, 303), cached=0, scheduled=3, table=[2])
+    ids, pos, ctx = m.prepare_batch([a, b, c_seq], 4)
     mistakes = {"positions": "positions 从 0 开始而不是从 num_cached_tokens 开始（chunked prefill / decode 的位置错了）"}
     assert_equal(ids, torch.tensor([106, 204, 205, 206, 207, 208, 300, 301, 302]), what="input_ids")
     assert_equal(pos, torch.tensor([6, 4, 5, 6, 7, 8, 0, 1, 2]), what="positions",
@@ -46,6 +46,26 @@ def test_prepare_batch_card_example():
                  what="block_tables（按最长的表用 -1 补齐）")
     assert_equal(ctx.context_lens, torch.tensor([7, 9, 3], dtype=torch.int32), what="context_lens")
     assert (ctx.max_seqlen_q, ctx.max_seqlen_k) == (5, 9), "max_seqlen_q / max_seqlen_k"
+    # is_prefill: any q_b > 1 (a kernel backend takes its decode-only path when it is False)
+    r = Rand()
+    decodes = [_seq(e02, range(n), cached=n - 1, scheduled=1, table=list(range(10 * i, 10 * i + (n + 3) // 4)))
+               for i, n in enumerate(r.int(2, 12) for _ in range(r.int(1, 4)))]
+    c = r.int(1, 3) * 4                                          # a chunk after a computed prefix: c > 0
+
+    def chunk(q):
+        return _seq(e02, range(c + q), cached=c, scheduled=q, table=list(range(50, 50 + (c + q + 3) // 4)))
+
+    by_cached = "is_prefill 按“有没有 c_b == 0 的新 prompt”判断：带前缀的 chunk（c_b > 0、q_b > 1）也是 prefill"
+    q = r.int(3, 6)
+    cases = [("卡片例子（B 算 5 个、C 算 3 个）", [a, b, c_seq], True, None),
+             (f"{len(decodes)} 个 decode（每个 q = 1）", decodes, False, None),
+             (f"{len(decodes)} 个 decode + 一个带前缀的 chunk（c = {c}，q = {q}）", decodes + [chunk(q)], True, by_cached),
+             (f"{len(decodes)} 个 decode + 一个带前缀的 chunk（c = {c}，q = 2）", decodes + [chunk(2)], True, None)]
+    for label, seqs, want, mistake in cases:
+        got = m.prepare_batch(seqs, 4)[2].is_prefill
+        if bool(got) != want:
+            raise AssertionError(f"ctx.is_prefill 应为 {want}（有任何 q_b > 1 就是 True，只有全是 decode 才是 False）："
+                                 f"{label}，得到 {got!r}；{r}" + (f"\n  看起来像易错点：{mistake}" if mistake else ""))
 
 
 @point("paged attention：经 block table 读写的结果与连续 K/V 的 varlen attention 一致")
@@ -164,6 +184,14 @@ def _drive(m, e02, model, prompts, budget: int, steps: int, block: int = 4, chun
             packed.append(sum(s.num_cached_tokens > 0 and s.num_scheduled_tokens > 1 for s in batch))
         n_before = len(capture.calls)
         tokens = runner.run(batch)
+        if len(tokens) != len(batch):
+            raise AssertionError(f"ModelRunner.run 应为 batch 的每个序列返回一个 token（{len(batch)} 个），得到 {len(tokens)} 个")
+        partial = [(i, t) for i, (s, t) in enumerate(zip(batch, tokens))
+                   if s.num_cached_tokens + s.num_scheduled_tokens < s.num_tokens and t != -1]
+        if partial:
+            i, t = partial[0]
+            raise AssertionError(f"batch 第 {i} 个序列本步只算到 prompt 中间（partial prefill），没有下一个 token，run 应返回 -1"
+                                 f"（不是合法的 token id），得到 {t!r}")
         sampled = [s for s in batch if s.num_cached_tokens + s.num_scheduled_tokens == s.num_tokens]
         logits = capture.calls[n_before] if len(capture.calls) > n_before else torch.empty(0)
         for row, s in enumerate(sampled):

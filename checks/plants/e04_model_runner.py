@@ -15,6 +15,10 @@ PLANTS = [
           old="slot_mapping=blocks * block_size + positions % block_size,",
           new="slot_mapping=positions,",
           expect="没有经过 block table"),
+    Plant("is_prefill_by_cached", "is_prefill 按“有没有新 prompt（c_b == 0）”判断",
+          old="is_prefill=bool((new > 1).any()))",
+          new="is_prefill=bool((cached == 0).any()))",
+          expect="带前缀的 chunk（c_b > 0、q_b > 1）也是 prefill"),
     Plant("gather_div_mod_swapped", "读 cache 时把块号和块内偏移算反",
           old="    blocks = block_tables.long()[seq_of_key, pos // block_size]                       # [K]: physical block\n"
               "    return blocks * block_size + pos % block_size\n",
