@@ -56,6 +56,12 @@ NO_GEN = "没有用该行自己的 generator 抽噪声（用了全局 RNG），�
 BOOL = "校验没有排除 bool：True 是 int 的子类，isinstance(True, numbers.Real) 也为真，会被当成 1"
 TYPE_FIRST = "校验时先比较大小再查类型：\"0.7\" >= 0 抛的是 TypeError，应先查类型、抛带字段名的 ValueError"
 HALF = "softmax 等采样数学在 bf16/fp16 里做（应先 logits.float()，全部在 fp32 里算）"
+OVERFLOW = ("超大的整数（10**400：JSON 的整数没有大小限制）转成 float 时抛 OverflowError，不是 ValueError："
+            "float(10**400)、math.isfinite(10**400) 都会抛；要捕获它，报点名字段的 ValueError")
+INT32 = ("top_k 放进了 int32 张量：合法的 top_k 可以大到 2**63 − 1（大于词表 = 不截断），int32 放不下 2**31 以上的值"
+         "（torch.tensor(..., dtype=torch.int32) 溢出报错，.to(torch.int32) 则悄悄回绕成另一个 k，2**32 + 1 变成 1）；"
+         "用 int64（或先 clamp 到 V）")
+HUGE_K_UNCLAMPED = "top_k 大于词表时没有先截成 V：第 k 大的下标 V − k 成了负数（k = where(top_k > 0, top_k, V).clamp(max=V)）"
 CONTRACT = ("与卡片约定的 exponential race 不一致：q = torch.empty(V).exponential_(generator=g)（fp32，形状 [V]，"
             "每个采样行从自己的 generator 抽一次），token = argmax(softmax(warp_logits) / q)")
 
@@ -250,7 +256,16 @@ BAD = [  # (field, bad value[, the value the message must show]) -> ValueError n
     ("top_k", 2**63), ("top_k", 10**30),
     ("stop_token_ids", [1, "2"], "2"), ("stop_token_ids", [7, 1.5], 1.5), ("stop_token_ids", [True], True),
     ("stop_token_ids", [3, -1], -1), ("stop_token_ids", 5),
+    # too large for a float: only the field name is asked for (the 401 digits need not be echoed)
+    ("temperature", 10**400, None), ("top_p", 10**400, None), ("min_p", -10**400, None),
 ]
+
+
+def _arg(value) -> str:
+    """repr(value), with a power of ten beyond 10**100 written as 10**N (its digits would drown the message)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**100:
+        return f"{'-' if value < 0 else ''}10**{len(str(abs(value))) - 1}"
+    return repr(value)
 
 
 @point("SamplingParams 校验：每个非法值都报 ValueError，消息点名字段和值")
@@ -263,19 +278,20 @@ def test_params_rejects_bad_values():
             m.SamplingParams(**{name: value})
         except ValueError as exc:
             text = str(exc)
-            if name not in text or (str(shown) not in text and repr(shown) not in text):
-                raise AssertionError(f"SamplingParams({name}={value!r}) 的 ValueError 应同时写出字段名 {name!r} "
-                                     f"和坏值 {shown!r}，得到：{text!r}") from None
+            if name not in text or (shown is not None and str(shown) not in text and repr(shown) not in text):
+                want = f"字段名 {name!r}" + ("" if shown is None else f" 和坏值 {shown!r}")
+                raise AssertionError(f"SamplingParams({name}={_arg(value)}) 的 ValueError 应写出{want}，"
+                                     f"得到：{text!r}") from None
             continue
         except NotImplementedError:
             raise
         except Exception as exc:   # noqa: BLE001  a TypeError from comparing "abc" >= 0 is not the contract
-            raise AssertionError(f"SamplingParams({name}={value!r}) 应抛 ValueError，得到 "
-                                 f"{type(exc).__name__}: {exc}"
-                                 + (f"\n  看起来像易错点：{TYPE_FIRST}" if isinstance(exc, TypeError) else "")) from None
+            hint = TYPE_FIRST if isinstance(exc, TypeError) else OVERFLOW if isinstance(exc, OverflowError) else ""
+            raise AssertionError(f"SamplingParams({name}={_arg(value)}) 应抛 ValueError（消息点名 {name!r}），得到 "
+                                 f"{type(exc).__name__}: {exc}" + (f"\n  看起来像易错点：{hint}" if hint else "")) from None
         bools = isinstance(value, bool) or (isinstance(value, list) and any(isinstance(v, bool) for v in value))
         hint = f"\n  看起来像易错点：{BOOL}" if bools else ""
-        raise AssertionError(f"SamplingParams({name}={value!r}) 应抛 ValueError（消息点名 {name!r}），但没有报错{hint}")
+        raise AssertionError(f"SamplingParams({name}={_arg(value)}) 应抛 ValueError（消息点名 {name!r}），但没有报错{hint}")
 
 
 GOOD = [dict(), dict(temperature=0), dict(temperature=0.0), dict(temperature=1), dict(temperature=2.5),
@@ -431,6 +447,53 @@ def test_seeded_tokens_follow_the_contract():
                                  f"{int(tokens[b])}，按约定应为 {want[b]}（同一个 generator 从第 0 步一直用下来）："
                                  f"{GREEDY if sp.temperature == 0 else CONTRACT}"
                                  f"{MISTAKE_HINT + REGEN if regen else ''}；{r}")
+
+
+def _as_int32(top_k: list[int]) -> list[int]:
+    """What int32 makes of each top_k (two's complement wrap); <= 0 is off."""
+    return [max((k + 2**31) % 2**32 - 2**31, 0) for k in top_k]
+
+
+@point("超大的合法 top_k（2**31 到 2**63 − 1，远大于词表）等于不截断：不溢出、不回绕")
+def test_huge_top_k_means_no_cut():
+    m = impl(MODULE)
+    r = Rand()
+    vocab = r.int(20, 60)
+    # 2**32 + 1 and 2**33 + j wrap to 1 and j in int32: a real cut; the others overflow it or wrap to <= 0
+    huge = [2**32 + 1, 2**33 + r.int(2, 3), 2**31, 2**40 + r.int(0, 99), 2**63 - 1]
+    rows = len(huge)
+    logits = r.randn(rows, vocab, scale=0.5)                   # flat: a cut to 1-3 tokens shows within a few steps
+    T = torch.full((rows,), _f32(r.py.uniform(1.0, 1.5)))
+    k = torch.tensor(huge, dtype=torch.int64)
+    p, mp = torch.ones(rows), torch.zeros(rows)
+    with explain_crash({"out of bounds": HUGE_K_UNCLAMPED, "index -": HUGE_K_UNCLAMPED}):
+        out = m.warp_logits(logits.clone(), T, k, p, mp)
+    what = f"warp_logits（top_k = {huge}，V = {vocab}）"
+    if isinstance(out, torch.Tensor) and out.shape == logits.shape and not _same(out, hf_warp(logits, T, k, p, mp)) \
+            and _same(out, hf_warp(logits, T, torch.tensor(_as_int32(huge)), p, mp)):
+        raise AssertionError(f"{what}：大于词表的 top_k 应等于不截断，你的结果像是 top_k 回绕成了 "
+                             f"{_as_int32(huge)}{MISTAKE_HINT}{INT32}；{r}")
+    assert_warp(out, logits, T, k, p, mp, r, what)
+
+    seeds = [r.int(0, 2**31 - 1) for _ in huge]
+    params = [m.SamplingParams(temperature=float(T[0]), top_k=kk, seed=s) for kk, s in zip(huge, seeds)]
+    wrapped = [dataclasses.replace(sp, top_k=kk) for sp, kk in zip(params, _as_int32(huge))]
+    gens, mirror = _gens(m, seeds), [torch.Generator().manual_seed(s) for s in seeds]
+    sampler = m.Sampler()
+    for step in range(6):
+        states = [g.get_state() for g in mirror]
+        want = expected_tokens(logits, params, mirror)
+        with explain_crash({"converted to type int32": INT32}):
+            tokens = sampler(logits.clone(), params, gens)
+        _check_tokens(tokens, rows, "Sampler（top_k 远大于词表）")
+        if tokens.tolist() == want:
+            continue
+        b = next(i for i, w in enumerate(want) if int(tokens[i]) != w)
+        like = expected_tokens(logits, wrapped, [torch.Generator().set_state(s) for s in states])
+        hint = MISTAKE_HINT + INT32 if tokens.tolist() == like else ""
+        raise AssertionError(f"第 {step} 步第 {b} 行（top_k={huge[b]}，V = {vocab}，seed={seeds[b]}）得到 token "
+                             f"{int(tokens[b])}，按约定应为 {want[b]}：大于词表的 top_k 等于不截断（与 top_k=0 相同）"
+                             f"{hint}；{r}")
 
 
 @point("同一个 seed：单独跑、混在不同的 batch 里、重跑一次，token 都相同")

@@ -15,7 +15,10 @@ import threading
 import time
 
 import pytest
+import transformers  # noqa: F401  imported once per process, outside every check's time limit (CONTRIBUTING)
+from transformers import PreTrainedTokenizerFast, Qwen3Config  # noqa: F401  the dummy model's config and tokenizer
 
+from checks import hf_models
 from checks.kit import Rand, impl, point
 from course.grader import registry
 
@@ -33,7 +36,6 @@ def _e05_llm(family: str = "qwen3", **kwargs):
     from course.runtime.serve import dummy_llm
     if family == "qwen3":
         return dummy_llm(impl("e05_engine"), max_model_len=MAX_MODEL_LEN, **kwargs)
-    from checks import hf_models
     from course.runtime.tiny_tokenizer import byte_tokenizer
     tok = byte_tokenizer()
     config = hf_models.tiny_config(family, Rand(0), vocab=len(tok), layers=2)     # 512 positions
@@ -289,6 +291,15 @@ NUMBERS = "数值只查了下限，没有按引擎放得下的范围校验（see
 EMPTY_STOP = "空的 stop 字符串被收下了（\"\" 在任何文本的开头都命中，输出永远是空的）"
 SURROGATE = "JSON 里的孤立代理字符（\"\\ud800\"）没有在 tokenizer 之前挡住，变成了 500"
 DEEP = "json.loads 的 RecursionError 没有捕获（它不是 JSONDecodeError），变成了 500"
+STOP_ITEM = ("stop 列表里的每一项都要查类型（只收非空 str）：非字符串的项漏了过去，"
+             "到 .encode / len / text.find 才抛异常（500），或者被悄悄收下")
+CONTENT = ("每条消息的 content 都要查类型（只收 str）：5、null、分段的列表漏了过去，"
+           "到 _unicode / len 才抛异常（500），或者被模板渲染成 \"5\"、\"None\" 悄悄收下")
+MESSAGE = "每条消息都要先查是不是 JSON 对象：\"hi\" 这样的消息到 m.get / m[\"role\"] 才抛异常，变成了 500"
+USAGE_BOOL = "include_usage 只收 JSON 的 true / false：\"yes\"、1 被当成真值收下了（stream_options 要查 isinstance(..., bool)）"
+OVERFLOW = ("超大的整数（10**400，JSON 的整数没有大小限制）转成 float 时抛 OverflowError，不是 ValueError，变成了 500："
+            "parse_request 不要自己 float() / math.isfinite，把值原样交给 SamplingParams（e01 把它变成点名字段的 ValueError）")
+HUGE_TOP_K = "合法的超大 top_k 被拒绝了：top_k 的上限是 2**63（放得进 int64），大于词表只是等于不截断"
 BAD = [  # (what, endpoint, body, the field the error must name, the classic mistake {status or "code": ...}, code)
     ("非法 JSON", "completions", b'{"model": "tiny", "prompt": ', None, None, "invalid_json"),
     ("嵌套 100000 层的 JSON", "completions", b"[" * 100000 + b"]" * 100000, None, {500: DEEP}, "invalid_json"),
@@ -320,6 +331,19 @@ BAD = [  # (what, endpoint, body, the field the error must name, the classic mis
     ("n = 2", "completions", {"prompt": "hi", "n": 2}, "n", None, None),
     ("stop 是数字", "completions", {"prompt": "hi", "stop": 5}, "stop", None, "invalid_type"),
     ("stop 是空字符串", "completions", {"prompt": "hi", "stop": ""}, "stop", EMPTY_STOP, None),
+    ("stop 列表里有数字", "completions", {"prompt": "hi", "stop": ["x", 5]}, "stop",
+     {200: STOP_ITEM, 500: STOP_ITEM}, None),
+    ("stop 列表里有列表", "completions", {"prompt": "hi", "stop": [["x"]]}, "stop",
+     {200: STOP_ITEM, 500: STOP_ITEM}, None),
+    ("stream_options 的 include_usage 是 \"yes\"", "completions",
+     {"prompt": "hi", "stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options",
+     {200: USAGE_BOOL}, None),
+    ("stream_options 的 include_usage 是 1", "completions",
+     {"prompt": "hi", "stream": True, "stream_options": {"include_usage": 1}}, "stream_options",
+     {200: USAGE_BOOL}, None),
+    ("temperature = 10**400", "completions", {"prompt": "hi", "temperature": 10**400}, "temperature",
+     {500: OVERFLOW}, None),
+    ("top_p = 10**400", "completions", {"prompt": "hi", "top_p": 10**400}, "top_p", {500: OVERFLOW}, None),
     ("stop 里有空字符串", "completions", {"prompt": "hi", "stop": ["x", ""]}, "stop", EMPTY_STOP, None),
     ("越界的 token id", "completions", {"prompt": [1, 99999]}, "prompt", None, None),
     ("stream 是字符串", "completions", {"prompt": "hi", "stream": "yes"}, "stream", None, "invalid_type"),
@@ -327,6 +351,15 @@ BAD = [  # (what, endpoint, body, the field the error must name, the classic mis
      "stream_options", None, None),
     ("空 messages", "chat/completions", {"messages": []}, "messages", None, None),
     ("未知的 role", "chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0]", None, None),
+    ("message 的 content 是数字", "chat/completions", {"messages": [{"role": "user", "content": 5}]},
+     "messages[0]", {200: CONTENT, 500: CONTENT}, None),
+    ("message 的 content 是 null", "chat/completions",
+     {"messages": [{"role": "system", "content": "hi"}, {"role": "user", "content": None}]},
+     "messages[1]", {200: CONTENT, 500: CONTENT}, None),
+    ("message 的 content 是分段的列表", "chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, "messages[0]",
+     {200: CONTENT, 500: CONTENT}, None),
+    ("message 不是对象", "chat/completions", {"messages": ["hi"]}, "messages[0]", {500: MESSAGE}, None),
 ]
 
 
@@ -382,7 +415,9 @@ def test_bad_requests_get_400():
     with httpx.Client(base_url=url, timeout=30) as client:
         for what, endpoint, body, field, mistake, code in cases:
             if isinstance(body, dict):
-                body = json.dumps({"model": MODEL, **body}).encode()
+                # a short max_tokens unless the case is about it: a mistake that accepts the request must not
+                # spend the check's time generating the whole context
+                body = json.dumps({"model": MODEL, "max_tokens": 2, **body}).encode()
             elif not isinstance(body, bytes):
                 body = json.dumps(body).encode()
             a = client.post(f"/v1/{endpoint}", content=body, headers={"Content-Type": "application/json"})
@@ -411,6 +446,16 @@ def test_bad_requests_get_400():
             tokens.append(a.json()["choices"][0]["token_ids"])
         assert tokens[0] == tokens[1], (f"temperature=1e-40 应与 greedy（0）相同，得到 {tokens[1]}，greedy {tokens[0]}"
                                         "\n  看起来像易错点：极小的正 temperature 没有当成 greedy（e01 的 SamplingParams）")
+        seed, runs = r.int(0, 10**6), {}
+        for k in (0, 2**40, 2**63 - 1):         # larger than the vocabulary: no cut, the same tokens as top_k = 0
+            a = client.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 6, "top_k": k,
+                                                     "seed": seed, "ignore_eos": True, "return_token_ids": True})
+            refused = a.status_code == 400 and '"top_k"' in a.text
+            assert a.status_code == 200, (f"top_k={k}（大于词表 = 不截断）是合法的，得到 {a.status_code}: {a.text[:300]}"
+                                          + (f"\n  看起来像易错点：{HUGE_TOP_K}" if refused else ""))
+            runs[k] = a.json()["choices"][0]["token_ids"]
+        assert runs[2**40] == runs[0] == runs[2**63 - 1], (f"seed={seed}：top_k=2**40、2**63 − 1（大于词表）应与 top_k=0 "
+                                                           f"（不截断）采出同样的 token，得到 {runs}\n  {r}")
         stream.join(30)
         _assert_stream_completed(out, 64, "坏请求期间")
         assert client.get("/health").json()["status"] == "ok", "坏请求之后服务应仍然健康"
@@ -658,6 +703,128 @@ def test_burst_gets_503():
     assert h["free_blocks"] == h["total_blocks"], f"突发过后 block 没有全部归还：{h}"
 
 
+ADMISSION = "准入的比较差一位：在途恰好 max_pending 个时才算满（pending >= max_pending 时拒绝，判断在 pending += 1 之前）"
+
+
+@point("准入上限恰好是 max_pending：在途少于上限时照常收下，在途恰好 max_pending 个时下一个得 503")
+def test_admission_bound_is_exact():
+    import httpx
+    url = _live(max_pending=4, max_num_seqs=2)
+    engine = _server(max_pending=4, max_num_seqs=2)[1]
+    bound, llm = engine.max_pending, engine.llm
+    gate, inside = threading.Event(), threading.Event()
+    real_step = llm.step
+
+    def step():                                 # the engine stays in its first step: nothing in flight can end
+        inside.set()
+        gate.wait(14)
+        return real_step()
+
+    async def run():
+        async with httpx.AsyncClient(timeout=30, base_url=url) as client:
+            sent = []
+
+            def send(i):
+                sent.append(asyncio.ensure_future(client.post("/v1/completions", json={
+                    "model": MODEL, "prompt": f"a{i}", "max_tokens": 2, "ignore_eos": True})))
+                return sent[-1]
+
+            try:
+                return await admit(send)
+            finally:                            # a failed check leaves no request behind
+                gate.set()
+                for task in sent:
+                    task.cancel()
+                await asyncio.gather(*sent, return_exceptions=True)
+
+    async def admit(send):
+        """Requests 1..bound are admitted while the engine is held; request bound + 1 gets the 503."""
+        admitted = []
+        for i in range(1, bound + 1):
+            task = send(i)
+            await _until(lambda: task.done() or _health(url)["pending"] >= i, 5)
+            if task.done():
+                a = task.result()
+                raise AssertionError(f"在途 {i - 1} 个请求（上限 max_pending = {bound}）时，第 {i} 个请求得到 "
+                                     f"{a.status_code}：{a.text[:200]}"
+                                     + (f"\n  看起来像易错点：{ADMISSION}" if a.status_code == 503 else ""))
+            pending = _health(url)["pending"]
+            assert pending == i, (f"第 {i} 个请求被收下（引擎停在一步里，它还在等引擎的回答），/health 的在途计数应为 "
+                                  f"{i}，得到 {pending}：add 判断名额之后马上 pending += 1，再发命令、等回答")
+            admitted.append(task)
+            if i == 1:
+                await _until(inside.is_set, 5)
+        extra = send(bound + 1)
+        await _until(lambda: extra.done() or _health(url)["pending"] > bound, 5)
+        if not extra.done():
+            raise AssertionError(f"在途已有 {bound} 个请求（= 上限 max_pending）时，第 {bound + 1} 个请求仍被收下"
+                                 f"（/health 在途 {_health(url)['pending']} 个）\n  看起来像易错点：{ADMISSION}")
+        over = extra.result()
+        _openai_error(over, f"在途 {bound} 个（= 上限）时的第 {bound + 1} 个请求", 503)
+        assert over.headers.get("retry-after"), "503 应带 Retry-After 头"
+        gate.set()
+        return await asyncio.gather(*admitted)
+
+    h = _wait_idle(url, 10, until_engine_idle=True)
+    assert h["pending"] == 0, f"检查开始时引擎已空闲，在途计数却是 {h['pending']}（之前的请求没有 release）：{h}"
+    try:
+        with _Patched(llm, step=step):
+            answers = asyncio.run(asyncio.wait_for(run(), 18))
+    finally:
+        gate.set()
+    assert [a.status_code for a in answers] == [200] * bound, \
+        f"收下的 {bound} 个请求都应完成：{[(a.status_code, a.text[:100]) for a in answers]}"
+    h = _wait_idle(url, 10, until_engine_idle=True)
+    assert h["pending"] == 0, (f"{bound} 个请求都完成、1 个得到 503 之后，在途计数应归零，得到 {h['pending']}：{h}" + (
+        "\n  看起来像易错点：被 503 拒绝的请求也占了名额（计数先加后判断，拒绝时没减回去）" if h["pending"] == 1 else ""))
+
+
+IGNORE_EOS = ("ignore_eos 时把 eos 当成了 stop：ignore_eos=True 的请求抽到 eos 不结束，最后一个 token 恰好是 eos "
+              "也是按 max_tokens 结束的，finish_reason 应为 'length'")
+
+
+@point("finish_reason：eos 结束为 stop，ignore_eos 时最后一个 token 恰是 eos 仍为 length，stop_token_ids 里的 token 为 stop")
+def test_finish_reason():
+    import httpx
+    url, r = _live(), Rand()
+    llm = _server()[1].llm
+    eos = llm.scheduler.config.eos_token_id
+    last = {}
+    real_step = llm.step
+
+    def step():                                 # the event that ends a request carries the token the case wants
+        return [(rid, last["token"] if done else token, done) for rid, token, done in real_step()]
+
+    plain = r.int(40, 120)                      # a printable byte: neither eos nor a stop id
+    cases = [  # (what, extra fields, the last token, finish_reason, what a wrong answer means)
+        ("ignore_eos=True，最后一个 token 恰是 eos（按 max_tokens 结束）", {"ignore_eos": True}, eos, "length",
+         f"\n  看起来像易错点：{IGNORE_EOS}"),
+        ("ignore_eos=False，第 max_tokens 个 token 是 eos", {}, eos, "stop",
+         "：eos 结束的请求 finish_reason 是 'stop'，哪怕它恰好是第 max_tokens 个（按最后一个 token 判断，不按生成了几个）"),
+        ("ignore_eos=True，stop_token_ids 含 eos，最后一个 token 是 eos", {"ignore_eos": True, "stop_token_ids": [eos]},
+         eos, "stop", "：stop_token_ids 里的 token 结束的请求 finish_reason 是 'stop'（ignore_eos 只管 eos，不管 stop_token_ids）"),
+        ("最后一个 token 是普通 token（按 max_tokens 结束）", {"ignore_eos": True}, plain, "length",
+         "：按 max_tokens 结束、最后一个 token 既不是 eos 也不在 stop_token_ids 里，finish_reason 是 'length'"),
+    ]
+    _wait_idle(url, 10)
+    with _Patched(llm, step=step), httpx.Client(base_url=url, timeout=30) as client:
+        for what, extra, token, want, why in r.py.sample(cases, len(cases)):
+            last["token"] = token
+            body = {"model": MODEL, "prompt": _text(r, r.int(2, 8)), "max_tokens": r.int(2, 5), "temperature": 0, **extra}
+            a = client.post("/v1/completions", json=body)
+            assert a.status_code == 200, f"{what}：{a.status_code} {a.text[:300]}"
+            got = a.json()["choices"][0]["finish_reason"]
+            assert got == want, f"{what}：finish_reason 应为 {want!r}，得到 {got!r}{why}"
+        last["token"] = eos                     # the first case once more, streamed
+        body = {"model": MODEL, "prompt": _text(r, r.int(2, 8)), "max_tokens": r.int(2, 5), "temperature": 0,
+                **cases[0][1], "stream": True}
+        with client.stream("POST", "/v1/completions", json=body) as resp:
+            frames = [f for f in resp.read().decode().split("\n\n") if f.startswith("data: {")]
+        finishes = [c["choices"][0]["finish_reason"] for c in map(lambda f: json.loads(f[6:]), frames)
+                    if c.get("choices") and c["choices"][0].get("finish_reason")]
+        assert finishes == ["length"], f"流式的 {cases[0][0]}：finish_reason 应为 ['length']，得到 {finishes}{cases[0][4]}"
+
+
 @point("stop 字符串与 stop token id：在 stop 处截断（流式也不漏出前半截），finish_reason 为 stop")
 def test_stop_strings_and_ids():
     url, r = _live(), Rand()
@@ -780,7 +947,8 @@ def test_engine_step_failure():
             async def streamed():
                 frames = []
                 try:
-                    async with client.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as resp:
+                    async with client.stream("POST", url + "/v1/completions", json={
+                            **body, "stream": True, "stream_options": {"include_usage": True}}) as resp:
                         async for line in resp.aiter_lines():
                             if not line:
                                 continue
@@ -808,8 +976,15 @@ def test_engine_step_failure():
     assert SECRET not in unary.text and not any(SECRET in f for f in frames), \
         f"引擎的异常文本被发给了客户端：{unary.text[:200]} / {frames[-2:]}\n  看起来像易错点：500 的 message 用了 str(exc)"
     _openai_error(unary, "step() 失败时在途的非流式请求", 500)
+    chunks = [json.loads(f[6:]) if f.startswith("data: {") else None for f in frames]
+    at = next((i for i, c in enumerate(chunks) if isinstance(c, dict) and "error" in c), None)
+    after = frames[at + 1:] if at is not None else []
+    assert at is None or after == ["data: [DONE]"], (
+        f"SSE 错误事件之后应只有 data: [DONE]，得到 {after}" + (
+            "\n  看起来像易错点：错误帧之后又发了 usage 帧（出错的流没有完整的用量：include_usage 的那一帧只在正常结束时发）"
+            if any(isinstance(c, dict) and "usage" in c for c in chunks[at + 1:]) else ""))
     tail = frames[-2:]
-    error = json.loads(tail[0][6:]).get("error") if tail and tail[0].startswith("data: {") else None
+    error = chunks[-2].get("error") if len(chunks) > 1 and isinstance(chunks[-2], dict) else None
     assert tail[-1:] == ["data: [DONE]"] and isinstance(error, dict) and error.get("message"), (
         f"200 之后出的错要写进流里：一帧 data: {{\"error\": {{...}}}}，再 data: [DONE]；得到最后两帧 {tail}"
         "\n  看起来像易错点：sse_frames 没有把 run_request 的异常变成 SSE 错误事件（流被直接截断）")

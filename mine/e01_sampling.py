@@ -43,9 +43,12 @@ class SamplingParams:
         """Validate every field; raise ValueError("<field> must ..., got <value>") on the first bad one.
 
         Numbers must be real numbers (bool and str are rejected); ints are accepted for float fields and
-        converted. Every value must fit where the engine puts it (seed < SEED_LIMIT, top_k < TOP_K_LIMIT), so a
-        bad request fails here, alone, and never inside a batched step. A temperature in (0, GREEDY_BELOW) is
-        stored as 0.0 (greedy). stop_token_ids may be any list/tuple of non-negative ints and is stored as a list.
+        converted (an int too large for a float, such as 10**400, is a ValueError naming the field, not the
+        OverflowError of float()). Every value must fit where the engine puts it (seed < SEED_LIMIT,
+        top_k < TOP_K_LIMIT), so a bad request fails here, alone, and never inside a batched step. A valid top_k
+        may be far larger than the vocabulary (= no cut): the Sampler holds it in int64, never int32. A
+        temperature in (0, GREEDY_BELOW) is stored as 0.0 (greedy). stop_token_ids may be any list/tuple of
+        non-negative ints and is stored as a list.
         """
         raise NotImplementedError("e01: 请实现 SamplingParams.__post_init__ 的参数校验（见 lessons/e01_sampling.md）")
 

@@ -43,15 +43,21 @@ class SamplingParams:
         """Validate every field; raise ValueError("<field> must ..., got <value>") on the first bad one.
 
         Numbers must be real numbers (bool and str are rejected); ints are accepted for float fields and
-        converted. Every value must fit where the engine puts it (seed < SEED_LIMIT, top_k < TOP_K_LIMIT), so a
-        bad request fails here, alone, and never inside a batched step. A temperature in (0, GREEDY_BELOW) is
-        stored as 0.0 (greedy). stop_token_ids may be any list/tuple of non-negative ints and is stored as a list.
+        converted (an int too large for a float, such as 10**400, is a ValueError naming the field, not the
+        OverflowError of float()). Every value must fit where the engine puts it (seed < SEED_LIMIT,
+        top_k < TOP_K_LIMIT), so a bad request fails here, alone, and never inside a batched step. A valid top_k
+        may be far larger than the vocabulary (= no cut): the Sampler holds it in int64, never int32. A
+        temperature in (0, GREEDY_BELOW) is stored as 0.0 (greedy). stop_token_ids may be any list/tuple of
+        non-negative ints and is stored as a list.
         """
         for name in ("temperature", "top_p", "min_p"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise ValueError(f"{name} must be a number, got {value!r}")
-            setattr(self, name, float(value))
+            try:
+                setattr(self, name, float(value))
+            except OverflowError:                     # an int beyond float's range (JSON ints have no size limit)
+                raise ValueError(f"{name} must be a finite number, got an int too large for a float") from None
         for name in ("top_k", "max_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -138,6 +144,7 @@ class Sampler:
             return torch.tensor(values, dtype=dtype, device=device)        # [B]
 
         temperature = column([1.0 if g else p.temperature for g, p in zip(greedy, params)], torch.float32)
+        # top_k in int64: a valid top_k may be 2**40 (larger than V = no cut); int32 overflows or wraps it
         x = warp_logits(logits, temperature, column([p.top_k for p in params], torch.int64),
                         column([p.top_p for p in params], torch.float32),
                         column([p.min_p for p in params], torch.float32))

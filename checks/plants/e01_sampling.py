@@ -115,4 +115,20 @@ PLANTS = [
           old="        if not 0 <= self.top_k < TOP_K_LIMIT:\n",
           new="        if self.top_k < 0:\n",
           expect="top_k"),
+    Plant("huge_int_overflows_float", "超大的整数 temperature / top_p / min_p：float() 抛 OverflowError",
+          old="""            try:
+                setattr(self, name, float(value))
+            except OverflowError:                     # an int beyond float's range (JSON ints have no size limit)
+                raise ValueError(f"{name} must be a finite number, got an int too large for a float") from None
+""",
+          new="            setattr(self, name, float(value))\n",
+          expect="转成 float 时抛 OverflowError"),
+    Plant("top_k_int32_tensor", "top_k 放进了 int32 张量（溢出报错）",
+          old="column([p.top_k for p in params], torch.int64)",
+          new="column([p.top_k for p in params], torch.int32)",
+          expect="top_k 放进了 int32 张量"),
+    Plant("top_k_wrapped_to_int32", "top_k 放进了 int32 张量（悄悄回绕）",
+          old="column([p.top_k for p in params], torch.int64)",
+          new="column([p.top_k for p in params], torch.int64).to(torch.int32)",
+          expect="top_k 放进了 int32 张量"),
 ]
