@@ -62,6 +62,11 @@ NO_COUNT = "capture 拍了快照却没有给 num_captured 加 1（stats 的 snap
 NO_SNAPSHOT_AT_RESTORE = ("恢复时表里没有这条序列命中位置上的快照：接纳时 lookup 说那里有快照，restore 时却找不到。lookup "
                           "给出的命中要以有快照的块结尾，快照也要留到 restore 之后（restore 只拷贝）；前面 capture / "
                           "restore 与 lookup 的检查直接驱动这些函数，信息更具体")
+REGISTER_UNCOMPUTED = ("一块刚算好、它的哈希却登记在另一份还没算好的拷贝上时，没有把登记改到算好的这份（mark_computed）："
+                       "几条请求同一步各自登记同一段前缀，最后登记的那份可能算得最少，下一步的请求就命中不到")
+SHADOWED = ("没算好的拷贝顶掉了已算好的登记（_cache_block）：新登记的这份还没写 KV，后来的请求命中串到它就断了；"
+            "已算好的那份保持登记，新块只带上哈希")
+RESTORE_ZERO = "restore 找不到快照时悄悄从零状态（或随便一行）接着算：命中和快照不一致是 bug，要抛 RuntimeError"
 NEW_TOKENS = 5
 
 
@@ -719,6 +724,241 @@ def test_own_old_snapshot_goes_first():
             + (f"\n  看起来像易错点：{TAKE_FIRST}" if front_gone and cache.stats["snapshots_evicted"] > evicted else ""))
     assert cache.stats["snapshots_evicted"] == evicted, \
         f"{when}不该逐出任何快照（snapshots_evicted 从 {evicted} 变成 {cache.stats['snapshots_evicted']}）；{r}"
+
+
+# ----------------------------------------------------------------------------- waiting, branch points, computed
+WAIT_POINT = ("等待与分叉点：原始 KV 命中串末块还没算好、且占未缓存 token 至少一半时不接纳、末块记进 wanted；"
+              "branch_point 给出第一块 wanted 的末尾，否则接纳时命中串的长度")
+COMPUTED_POINT = ("computed 与登记：写过 KV 的满块才算好；分给新主人的块不算好、不再被等；"
+                  "同一内容有几份拷贝时，登记指向算好的那份")
+
+
+def _wait_predictions(raw: int, usable: int, last_computed: bool, num_tokens: int, bs: int) -> dict[str, bool]:
+    """Whether each rule (the right one and the classic wrong ones) makes a request wait: raw = blocks of its
+    KV hit run, usable = blocks of its usable hit."""
+    uncomputed = not last_computed
+    return {"right": uncomputed and 2 * (raw - usable) * bs >= num_tokens - usable * bs,
+            "never": False,
+            "strict": uncomputed and 2 * (raw - usable) * bs > num_tokens - usable * bs,
+            "whole": uncomputed and 2 * raw * bs >= num_tokens,
+            "computed_too": 2 * (raw - usable) * bs >= num_tokens - usable * bs}
+
+
+WAIT_MISTAKES = {
+    "never": ("从来不等：判断用的 KV 命中串是截到有快照处的（self._cached_prefix / lookup 之后），它的末块总是算好的；"
+              "等待规则看的是 e02 的原始命中串 super()._cached_prefix(seq)"),
+    "strict": "共享部分正好占未缓存 token 一半时没有等：规则是 2·(len(raw) − usable)·P ≥ num_tokens − usable·P（≥，不是 >）",
+    "whole": ("门槛没有扣掉可用命中：比的是 2·len(raw)·P ≥ num_tokens，应比可用命中之后的部分："
+              "2·(len(raw) − usable)·P ≥ num_tokens − usable·P"),
+    "computed_too": "命中串末块已经算好了还在等：那一块没有人会再算、也不会再拍快照，请求会一直等下去",
+}
+
+
+@point(WAIT_POINT)
+def test_wait_for_a_prefix_computed_this_step():
+    r = Rand()
+    bs = r.choice([2, 4])
+    s = r.int(3, 4)                                          # the shared prefix: s full blocks
+    u = r.int(1, s - 1)                                      # later: its first u blocks computed, a snapshot there
+    m, e02, pool, cache, bm = _parts(r, 64, 8, bs)
+    system = r.randint(1, 31, (s * bs,)).tolist()
+    a = _seq(e02, system + r.randint(1, 31, (r.int(1, 3 * bs),)).tolist(), bs)
+    bm.allocate(a)                                           # admitted in this step: s registered blocks, none computed
+    pool.allocate(a)
+    last = a.block_table[s - 1]
+    observed, cases = [], []
+
+    def ask(t: int, usable: int, last_computed: bool, what: str) -> None:
+        """A request sharing the s blocks, then t tokens of its own: can it be admitted now?"""
+        b = _seq(e02, system + r.randint(32, 63, (t,)).tolist(), bs)
+        free, wanted = bm.num_free_blocks, set(bm.wanted)
+        got = bm.can_allocate(b)
+        if type(got) is not bool:
+            raise AssertionError(f"can_allocate 应返回 bool，得到 {got!r}；{r}")
+        if b.block_table or bm.num_free_blocks != free:
+            raise AssertionError(f"can_allocate 只回答能不能接纳，不该分配 block（{what}）；{r}")
+        added = bm.wanted - wanted
+        if not got and added != {last}:
+            raise AssertionError(f"{what}：can_allocate 返回 False（等），应把原始命中串的末块（block {last}，a 的第 {s - 1} 块）"
+                                 f"记进 wanted，得到新加入的 {sorted(added)}；{r}")
+        if got and added:
+            raise AssertionError(f"{what}：can_allocate 返回 True（接纳），wanted 不该变，得到新加入的 {sorted(added)}；{r}")
+        bm.wanted = wanted                                   # every question starts from the same wanted set
+        observed.append(not got)
+        cases.append((what, _wait_predictions(s, usable, last_computed, b.num_tokens, bs)))
+
+    nothing = f"a 这一步刚接纳、还没算（前 {s} 块已登记，都没算好）"
+    for t in (1, s * bs, s * bs + 1):
+        ask(t, 0, False, f"{nothing}，b = 共享的 {s * bs} 个 token + 自己的 {t} 个")
+    _new_state(pool, a, r)
+    _step(bm, cache, pool, a, u * bs)                         # a computed its first u blocks: a snapshot at uP
+    part = f"a 算好了前 {u} 块、在 {u * bs} 拍了快照，第 {u}..{s - 1} 块还没算好"
+    for t in ((s - u) * bs, (s - u) * bs + 1):
+        ask(t, u, False, f"{part}，b = 共享的 {s * bs} 个 token + 自己的 {t} 个")
+    _new_state(pool, a, r)
+    _step(bm, cache, pool, a, (s - u) * bs + 1)               # all s blocks computed, no snapshot at sP
+    done = f"a 的前 {s} 块都算好了（快照只在 {u * bs}）"
+    ask(1, u, True, f"{done}，b = 共享的 {s * bs} 个 token + 自己的 1 个")
+
+    for (what, want), got in zip(cases, observed):
+        if got == want["right"]:
+            continue
+        rule = "应等（返回 False）" if want["right"] else "应接纳（返回 e02 的回答 True）"
+        msg = f"{what}：{rule}，得到{'等' if got else '接纳'}；{r}"
+        match = [k for k in WAIT_MISTAKES if [p[k] for _, p in cases] == observed]
+        if match:
+            msg += f"\n  看起来像易错点：{WAIT_MISTAKES[match[0]]}"
+        raise AssertionError(msg)
+    b = _seq(e02, system + r.randint(32, 63, (1,)).tolist(), bs)
+    bm.allocate(b)
+    assert b.num_cached_tokens == u * bs, f"{done}：b 接纳后应从 {u * bs} 的快照恢复，得到 num_cached_tokens {b.num_cached_tokens}；{r}"
+
+
+@point(WAIT_POINT)
+def test_branch_point():
+    r = Rand()
+    bs = r.choice([2, 4])
+    k = r.int(1, 2)                                          # x registers k blocks that a's prefix hits
+    n = k + r.int(3, 4)                                      # a: n full blocks + 1 token
+    m, e02, pool, cache, bm = _parts(r, 64, 8, bs)
+    prefix = r.randint(1, 63, (k * bs,)).tolist()
+    x = _seq(e02, prefix + [1], bs)
+    bm.allocate(x)
+    a = _seq(e02, prefix + r.randint(1, 63, ((n - k) * bs + 1,)).tolist(), bs)
+    bm.allocate(a)                                           # (admitted anyway: its KV hit run is x's k blocks)
+    j1 = r.int(k, n - 3)
+    j2 = r.int(j1 + 1, n - 1)
+    shared = k * bs
+    stranger = _seq(e02, r.randint(1, 63, (3 * bs,)).tolist(), bs)
+    checks = [(set(), 0, shared, f"wanted 为空：应是 a 接纳时 KV 命中串的长度 shared_tokens = {shared}"),
+              ({a.block_table[j2], a.block_table[j1]}, 0, (j1 + 1) * bs,
+               f"wanted 里有 a 的第 {j1}、{j2} 块：应是第一块（第 {j1} 块）的末尾"),
+              ({a.block_table[j2], a.block_table[j1]}, j1 * bs + r.int(1, bs - 1), (j1 + 1) * bs,
+               f"a 已算到第 {j1} 块中间、wanted 里有第 {j1}、{j2} 块：第 {j1} 块还没算完，仍是它的末尾"),
+              ({a.block_table[j2], a.block_table[j1]}, (j1 + 1) * bs, (j2 + 1) * bs,
+               f"a 已算完第 {j1} 块、wanted 里有第 {j1}、{j2} 块：只看还没算完的块，应是第 {j2} 块的末尾"),
+              ({a.block_table[j2]}, (j2 + 1) * bs, shared,
+               f"a 已算完第 {j2} 块（wanted 里只有它）：没有要等的块了，应是 shared_tokens = {shared}")]
+    for wanted, cached, want, what in checks:
+        bm.wanted = set(wanted)
+        a.num_cached_tokens = cached
+        got = bm.branch_point(a)
+        if got != want:
+            raise AssertionError(f"branch_point(a)（block_size {bs}，num_cached_tokens {cached}，a 的 block_table "
+                                 f"{a.block_table}，wanted {sorted(wanted)}）：{what}，得到 {got!r}；{r}")
+    bm.wanted = set()
+    got = bm.branch_point(stranger)
+    assert got == 0, f"一条没有接纳过（没有 shared_tokens）、wanted 为空的序列，branch_point 应为 0，得到 {got!r}；{r}"
+
+
+def _computed_of(bm, seq) -> list[bool]:
+    return [bm.computed[b] for b in seq.block_table]
+
+
+@point(COMPUTED_POINT)
+def test_computed_blocks():
+    r = Rand()
+    bs = r.choice([2, 4])
+    n = r.int(3, 5)
+    m, e02, pool, cache, bm = _parts(r, 4 * n + 8, 8, bs)
+    a = _seq(e02, r.randint(1, 63, (n * bs + r.int(1, bs - 1),)).tolist(), bs)
+    bm.allocate(a)
+    pool.allocate(a)
+    if any(_computed_of(bm, a)):
+        raise AssertionError(f"a 刚接纳、一步都没跑：它的块都不该算好（e02 在接纳时就登记哈希，KV 还没写），得到 computed "
+                             f"{_computed_of(bm, a)}；{r}")
+    ends = [r.int(1, bs - 1), bs + r.int(1, bs - 1), 2 * bs, a.num_tokens]   # mid-block, mid-block, a boundary, the end
+    for end in ends:
+        bm.wanted = {b for b in a.block_table if not bm.computed[b]}   # waited for until computed
+        _new_state(pool, a, r)
+        _step(bm, cache, pool, a, end - a.num_cached_tokens)
+        want = [(i + 1) * bs <= end for i in range(len(a.block_table))]
+        got = _computed_of(bm, a)
+        if got != want:
+            raise AssertionError(f"a（block_size {bs}）的 prefill 算到 {end} 之后，t[0, {end}) 填满的块才算好：computed 应为 "
+                                 f"{want}，得到 {got}；{r}")
+        left = [i for i, b in enumerate(a.block_table) if b in bm.wanted]
+        if left != [i for i, w in enumerate(want) if not w]:
+            raise AssertionError(f"a 没算好的块都在 wanted 里，prefill 算到 {end} 之后，算好的块不该再被等：wanted 里应剩 a 的第 "
+                                 f"{[i for i, w in enumerate(want) if not w]} 块，得到第 {left} 块；{r}")
+    old = list(a.block_table)
+    bm.deallocate(a)
+    pool.free(a)
+    bm.wanted = set(old)
+    filler = _seq(e02, [63] * (bm.num_free_blocks * bs), bs)  # hands every free block, a's too, to a new owner
+    bm.allocate(filler)
+    got = [bm.computed[b] for b in old]
+    if any(got) or set(old) & bm.wanted:
+        raise AssertionError(f"a 结束后它的块 {old} 又分给了一条还没跑过的序列：这些块不该再算好（得到 computed {got}），"
+                             f"也不该还在 wanted 里（得到 {sorted(set(old) & bm.wanted)}）；{r}\n  看起来像易错点：{STALE}")
+
+
+@point(COMPUTED_POINT)
+def test_registration_follows_computed():
+    r = Rand()
+    bs = r.choice([2, 4])
+    s = r.int(3, 4)
+    u = r.int(1, s - 1)
+    m, e02, pool, cache, bm = _parts(r, 64, 8, bs)
+    system = r.randint(1, 31, (s * bs,)).tolist()
+    tail = lambda: r.randint(32, 63, (2 * s * bs + r.int(1, bs),)).tolist()   # noqa: E731  (too long to wait for)
+    a, b = _seq(e02, system + tail(), bs), _seq(e02, system + tail(), bs)
+    hashes = []
+    for i in range(s):
+        hashes.append(e02.compute_block_hash(system[i * bs:(i + 1) * bs], hashes[-1] if hashes else -1))
+    # a and b admitted in the same step (b's shared part is short: it does not wait); a computes the prefix, b less
+    bm.allocate(a)
+    pool.allocate(a)
+    if not bm.can_allocate(b):
+        raise AssertionError(f"b 共享 {s * bs} 个 token、自己还有 {b.num_tokens - s * bs} 个：不到一半，不该等；{r}")
+    bm.allocate(b)
+    pool.allocate(b)
+    _new_state(pool, b, r)
+    _step(bm, cache, pool, b, u * bs)
+    _new_state(pool, a, r)
+    _step(bm, cache, pool, a, s * bs + 1)
+    reg = [bm.hash_to_block_id.get(h) for h in hashes]
+    want = [b.block_table[i] if i < u else a.block_table[i] for i in range(s)]
+    what = (f"a、b 同一步接纳、共享前 {s} 块（各自登记一份），这一步 b 算了前 {u} 块、a 算完了前 {s} 块：每块的登记应指向"
+            f"算好的那份（第 0..{u - 1} 块 b 的或 a 的都行，第 {u}..{s - 1} 块只能是 a 的）")
+    bad = [i for i in range(s) if reg[i] is None or not bm.computed[reg[i]]]
+    if bad:
+        raise AssertionError(f"{what}；得到第 {bad} 块登记在没算好的拷贝上（hash_to_block_id 指向 {[reg[i] for i in bad]}，a 的是 "
+                             f"{[a.block_table[i] for i in bad]}）；{r}\n  看起来像易错点：{REGISTER_UNCOMPUTED}")
+    c = _seq(e02, system + r.randint(32, 63, (1,)).tolist(), bs)
+    bm.allocate(c)                                           # c: s computed blocks, the snapshot at uP
+    if c.num_cached_tokens != u * bs:
+        raise AssertionError(f"{what}；c 以同样的 {s} 块开头，应从 {u * bs} 的快照恢复，得到 num_cached_tokens "
+                             f"{c.num_cached_tokens}；{r}")
+    fresh = c.block_table[u:s]                               # c's own copies of blocks u..s-1: not computed yet
+    for i, blk in zip(range(u, s), fresh):
+        if bm.blocks[blk].hash != hashes[i]:
+            raise AssertionError(f"c 自己那份第 {i} 块（block {blk}）也要带上它的哈希（快照按它取键），得到 hash "
+                                 f"{bm.blocks[blk].hash}；{r}")
+    reg = [bm.hash_to_block_id.get(hashes[i]) for i in range(u, s)]
+    if reg != [a.block_table[i] for i in range(u, s)] and reg != want[u:]:
+        raise AssertionError(f"c 登记自己还没算的第 {u}..{s - 1} 块时，已算好的 a 那几份应保持登记（hash_to_block_id 指向 "
+                             f"{want[u:]}），得到 {reg}；{r}\n  看起来像易错点：{SHADOWED}")
+
+
+@point("capture / restore：算到 block 边界才拍、挂在结束处那一块的哈希上；decode 也拍，但每条序列在 prompt 之后只留最新一份；命中截到最后一个有快照的块；恢复的 conv 与 recurrent 状态逐元素相等")
+def test_restore_without_snapshot_raises():
+    r = Rand()
+    bs = r.choice([2, 4])
+    m, e02, pool, cache, bm = _parts(r, 32, 8, bs)
+    a = _seq(e02, r.randint(1, 63, (3 * bs + 1,)).tolist(), bs)
+    bm.allocate(a)
+    a.num_cached_tokens = r.int(1, 3) * bs                    # claims a hit at a boundary where nothing was taken
+    free = list(pool.free_slots)
+    try:
+        slot = cache.restore(a, pool)
+    except RuntimeError:
+        if list(pool.free_slots) != free or a.seq_id in pool.slot_of:
+            raise AssertionError(f"restore 找不到快照、抛出 RuntimeError 之前不该占用槽位：free_slots 从 {free} 变成 "
+                                 f"{list(pool.free_slots)}；{r}") from None
+        return
+    raise AssertionError(f"a 的 num_cached_tokens = {a.num_cached_tokens}，但表里没有第 {a.num_cached_tokens // bs - 1} 块哈希的"
+                         f"快照：restore 应抛 RuntimeError，得到返回槽位 {slot!r}；{r}\n  看起来像易错点：{RESTORE_ZERO}")
 
 
 # ----------------------------------------------------------------------------- the engine, against HF

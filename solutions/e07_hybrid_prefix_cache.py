@@ -5,25 +5,26 @@ needs the *state* after the prefix: the conv state [C, K-1] and the recurrent st
 linear layer. So at block boundaries the engine copies a sequence's GDN state into a snapshot cache keyed
 by the chained hash (e02) of the block that ends there; a request whose prefix reaches such a block copies
 the snapshot into its fresh pool slot (e04) and prefills from there, reusing the KV blocks as before.
+The rules, in the words of the card's 定义 table (P = block_size):
 
-    where     the state exists only at the end of a step's chunk. For hybrid models the scheduler cuts a
-              prefill chunk at a block boundary where the budget ran out (rounded down) and where the
-              request leaves the KV blocks already cached for it (a shared system prompt: the branch
-              point); the prompt's last chunk runs to its end, so its first token costs no extra step.
-              After the step, a chunk that ended on boundary j*P snapshots the state under block j-1's
-              hash. Decodes snapshot at boundaries too, but a sequence keeps only its newest snapshot past
-              its prompt: the next turn of a chat starts with this whole answer, so it resumes from there.
-    hit       e02's run of KV hits, cut back to its longest prefix whose last block has a valid snapshot:
-              KV without the state is useless to a GDN layer, a state without its KV useless to attention.
-    valid     the hash names every token before the boundary, so the state is a function of it. A hit also
-              needs every KV block of the prefix computed: e02 registers a block when it is allocated, so
-              a block registered by a sequence that has not run yet (or handed out again after eviction)
-              is no hit. A snapshot whose hash left the KV cache can never be reached; purge drops it.
-    budget    num_snapshots rows preallocated like the pool (Qwen3.5-35B-A3B: 30 layers x (8192 x 3 conv +
-              32 x 128 x 128 fp32 recurrent) = ~62 MiB each); LRU: a hit or a new snapshot moves an entry
-              to the back, a full cache evicts the front, entries whose blocks are gone go first.
-    restore   a copy into the pool slot before the step (outside any CUDA graph); preemption and abort free
-              the slot as before; snapshots are copies, so nothing points into the pool.
+    snapshot  after a step that computed t[c, e) with e % P == 0: the GDN state of t[0, e), keyed by the
+              hash of block e/P - 1 (it names every token of t[0, e)); prefill and decode alike.
+    computed  a block is computed when its KV has been written: not when e02 registers it (at admission),
+              but after the step whose tokens fill it; a block handed to a new owner is not computed.
+    hit       e02's KV hit run, cut back to its longest prefix hits[:n] whose blocks are all computed and
+              whose last block's hash has a snapshot: num_cached_tokens = n * P (0 if there is none).
+    wait      at admission: when the KV hit run ends in a block that is not computed (its owner computes it
+              in this step) and the run past the usable hit covers at least half of the request's uncached
+              tokens (2 * (len(raw) - usable) * P >= num_tokens - usable * P), the request is not admitted
+              this step and that block is wanted: its owner's chunk stops at the block's end (the branch
+              point) and snapshots there; next step the request resumes from that snapshot.
+    lifetime  at most num_snapshots entries, one row of the store each. A new snapshot takes a free row; when
+              there is none, purge frees the rows of entries whose hash is no longer a KV cache entry (they
+              can never be hit again); when there is still none, the least recently used entry is evicted.
+              A hit or a new snapshot makes its entry the most recently used. Past its prompt (e > num
+              prompt tokens) a sequence keeps one snapshot, its newest: the one before it leaves first.
+    restore   before the step, a copy of the snapshot into the slot pool.allocate(seq) gives (outside any
+              CUDA graph); no snapshot at the hit is a bug: RuntimeError, never a zero state.
 
 Lesson: lessons/e07_hybrid_prefix_cache.md (书 §E.7).
 """
@@ -41,13 +42,12 @@ from .e04_model_runner import GDNStatePool
 
 
 def chunk_end(start: int, end: int, num_tokens: int, block_size: int, shared_end: int = 0) -> int:
-    """Where a prefill chunk [start, end) of a sequence of num_tokens tokens should stop.
+    """Where a prefill chunk [start, end) of a sequence of num_tokens tokens should stop: a value in (start, end].
 
-    shared_end: tokens of the sequence whose KV blocks were already cached when it was admitted. The
-    result is shared_end when it lies inside the chunk; else end itself when the chunk reaches the end of
-    the tokens (end == num_tokens: the first token comes this step); else end rounded down to a block
-    boundary (the budget ran out), but never <= start (then the chunk is left as it is: a chunk that cannot
-    end on a boundary is still computed).
+    shared_end: the branch point from HybridBlockManager.branch_point, a multiple of block_size or 0. The first
+    rule that applies: shared_end when start < shared_end < end; end when end == num_tokens (the prompt's last
+    chunk: its first token comes this step); the last block boundary b with start < b <= end (the budget ran
+    out); end itself when the chunk holds no such boundary (it is computed, no snapshot is taken).
     """
     if start < shared_end < end:
         return shared_end                                   # the branch point of a shared prefix
@@ -65,7 +65,10 @@ def state_views(pool: GDNStatePool, index: int) -> list[torch.Tensor]:
 
 
 class StateCache:
-    """GDN state snapshots keyed by the chained hash of the block at whose end they were taken (LRU, budgeted)."""
+    """GDN state snapshots keyed by the chained hash of the block at whose end they were taken (LRU, budgeted).
+
+    Invariant after every call: each row of the store is either one entry's (entries.values()) or free
+    (free_rows), never both, never twice."""
 
     def __init__(self, model: nn.Module, num_snapshots: int, dtype: torch.dtype = torch.float32):
         if isinstance(num_snapshots, bool) or not isinstance(num_snapshots, int) or num_snapshots < 1:
@@ -85,12 +88,15 @@ class StateCache:
                 "prefill_tokens_saved": self.tokens_restored}
 
     def purge(self) -> None:
-        """Drop the entries whose hash stopped being a KV cache entry: without its blocks a snapshot is never a hit."""
+        """Drop every entry that can never be a hit again: its hash is no longer a KV cache entry (not in
+        block_manager.hash_to_block_id). Its row becomes free. Not an eviction (num_evicted is unchanged)."""
         for h in [h for h in self.entries if h not in self.block_manager.hash_to_block_id]:
             self.free_rows.append(self.entries.pop(h))
 
     def _take_row(self) -> int:
-        """A free row of the store: rows of dead entries first, else the least recently used entry is evicted."""
+        """A row of the store for a new snapshot, taken out of free_rows / entries: a free row if there is one;
+        else one that purge frees; else the row of the least recently used entry, which is evicted
+        (num_evicted += 1)."""
         if not self.free_rows:
             self.purge()
         if not self.free_rows:
@@ -100,9 +106,9 @@ class StateCache:
         return self.free_rows.pop()
 
     def lookup(self, hits: list[int]) -> int:
-        """How many of the leading KV hits (block ids, in order, from e02's lookup) can be used: the longest
-        prefix hits[:n] whose blocks all hold computed KV and whose last block's hash has a snapshot (0 if
-        none). The entry found moves to the back of the LRU order."""
+        """How many of the leading KV hits (block ids, in order, from e02's _cached_prefix) can be used: the largest
+        n such that the blocks hits[:n] are all computed and the hash of block hits[n-1] has an entry (0 if none).
+        That entry becomes the most recently used."""
         bm = self.block_manager
         computed = 0
         while computed < len(hits) and bm.computed[hits[computed]]:
@@ -115,12 +121,14 @@ class StateCache:
         return 0
 
     def capture(self, seq: Sequence, pool: GDNStatePool) -> bool:
-        """After a step (before postprocess): snapshot seq's state if what it computed ended on a block boundary.
+        """After a step (before postprocess), which computed t[c, e) of seq with c = num_cached_tokens and
+        e = c + num_scheduled_tokens: take a snapshot when e is a block boundary; returns whether one was taken.
 
-        The step computed [num_cached_tokens, num_cached_tokens + num_scheduled_tokens). The entry is keyed by
-        the hash of the block that ends at the boundary (it names every token before it); an entry already
-        there is refreshed, else a row is taken (LRU). Past the prompt (a decode crosses a boundary every P
-        tokens) a sequence keeps one snapshot, its newest: the one it took before is dropped first.
+        The snapshot is the state in seq's pool slot, under the hash h of block_table[e // P - 1]; afterwards
+        entries[h] holds it and is the most recently used entry (an entry already under h keeps its row), and
+        num_captured has grown by 1. Past the prompt (e > num_prompt_tokens) newest[seq_id] = h, and seq's
+        previous snapshot past its prompt is gone from entries (its row free) before a row is taken: no other
+        entry is evicted while that row is there to use.
         """
         bm = self.block_manager
         end = seq.num_cached_tokens + seq.num_scheduled_tokens
@@ -141,7 +149,10 @@ class StateCache:
         return True
 
     def restore(self, seq: Sequence, pool: GDNStatePool) -> int:
-        """seq was admitted with num_cached_tokens > 0 from a snapshot hit: give it a pool slot holding that state."""
+        """seq was admitted from a hit, num_cached_tokens = n * P > 0: give it a pool slot (pool.allocate(seq))
+        holding every conv and recurrent state of the snapshot under the hash of block_table[n - 1], and return
+        the slot. The snapshot stays in the store (others may resume from it too); num_restored += 1,
+        tokens_restored += num_cached_tokens. No snapshot under that hash: RuntimeError (never a zero state)."""
         bm = self.block_manager
         h = bm.blocks[seq.block_table[seq.num_cached_tokens // bm.block_size - 1]].hash
         row = self.entries.get(h)
@@ -167,17 +178,18 @@ class HybridBlockManager(BlockManager):
         self.wanted: set[int] = set()                # blocks being computed that a waiting request waits for
 
     def _allocate_block(self) -> int:
+        """e02's allocation. The block goes to a new owner that has not run yet: from now on it is not computed,
+        and no waiting request waits for it (until its new owner's step, see mark_computed)."""
         block_id = super()._allocate_block()
         self.computed[block_id] = False               # a new owner: registered now, written by a later step
         self.wanted.discard(block_id)
         return block_id
 
     def can_allocate(self, seq: Sequence) -> bool:
-        """e02's answer, except that a request waits while another request is computing most of what it would
-        compute: when its KV hit run ends in a block registered but not computed yet (the owner runs now) and
-        that run covers at least half of its uncached tokens. It asks for a snapshot at the run's end (the
-        owner's chunk is cut there) and next step resumes after it: a system prompt is computed once, not once
-        per request admitted in the same step (SGLang's in-batch prefix caching does the same)."""
+        """e02's answer, unless seq must wait for a prefix another request computes in this step. With raw = e02's
+        KV hit run (super()._cached_prefix: registered blocks, computed or not) and usable = the hit lookup
+        allows: seq waits when the last block of raw is not computed and 2 * (len(raw) - usable) * P >=
+        num_tokens - usable * P; then that block joins wanted and the answer is False."""
         raw = super()._cached_prefix(seq)
         if raw and not self.computed[raw[-1]]:
             usable = self.state_cache.lookup(raw)                 # = len(self._cached_prefix(seq)), hashed once
@@ -187,8 +199,8 @@ class HybridBlockManager(BlockManager):
         return super().can_allocate(seq)
 
     def branch_point(self, seq: Sequence) -> int:
-        """Where seq's next prefill chunk should stop so that its snapshot is shared: the first end of one of
-        its uncomputed blocks that a waiting request waits for, else its KV hit run at admission (0: none)."""
+        """The shared_end of seq's next prefill chunk (see chunk_end): the end of the first of seq's blocks, from
+        the one holding token num_cached_tokens on, that is in wanted; else shared_tokens[seq_id]; else 0."""
         start = seq.num_cached_tokens // self.block_size
         if self.wanted:
             for i in range(start, len(seq.block_table)):
@@ -197,8 +209,8 @@ class HybridBlockManager(BlockManager):
         return self.shared_tokens.get(seq.seq_id, 0)
 
     def _cache_block(self, block_id: int, h: int, token_ids: list[int]) -> None:
-        """e02's registration, except that a copy not computed yet never shadows a registered copy that is:
-        it carries the hash (snapshots are keyed by it), but lookups keep finding the computed one."""
+        """e02's registration of a full block under hash h, except that a registered copy that is computed keeps
+        the registration: then the new block only carries the hash and tokens (blocks[block_id].hash = h)."""
         old = self.hash_to_block_id.get(h, -1)
         if old != -1 and old != block_id and self.computed[old]:
             self.blocks[block_id].update(h, token_ids)
@@ -206,9 +218,9 @@ class HybridBlockManager(BlockManager):
         super()._cache_block(block_id, h, token_ids)
 
     def mark_computed(self, seq: Sequence) -> None:
-        """After a step: the blocks that seq's tokens [0, num_cached + num_scheduled) fill completely hold their KV.
-        A block computed now becomes the registered copy of its content if the registered one is not computed
-        (several requests admitted in one step all register the same prefix; the last one may compute least)."""
+        """After a step (before postprocess): the blocks that seq's tokens t[0, num_cached_tokens +
+        num_scheduled_tokens) fill completely are computed, and nobody waits for them any more.
+        Such a block whose hash is registered to a copy that is not computed becomes the registered copy."""
         done = (seq.num_cached_tokens + seq.num_scheduled_tokens) // self.block_size
         for block_id in seq.block_table[seq.num_cached_tokens // self.block_size:done]:
             self.computed[block_id] = True
