@@ -21,6 +21,8 @@ torch.set_num_threads(1)
 M_SLOT_NEG = "slot = −1 的填充行也写了（应整行跳过：if slot < 0: return）"
 M_SLOT_ZERO = "把 slot 0 当成了填充行跳过（判断应为 slot < 0，不是 slot ≤ 0：slot 0 是块 0 的第 0 行，一个合法的槽位）"
 M_STRIDE = "把 k/v 当成连续张量（token 步长写成 nKV·D）：从 qkv 切出的 k/v 是非连续 view，应传 k.stride(0)"
+M_D_STRIDE = ("D 维不连续的 k/v 没有先 .contiguous()：kernel 按 d 连续取址（+ dims），"
+              "k.stride(-1) != 1 时 launcher 要先复制一份")
 M_STATS_DTYPE = "平方和在 x.dtype（fp16/bf16）里算：统计量必须先 .to(tl.float32)"
 M_BLOCK_MEAN = "均值除以了 BLOCK_H（补齐到 2 的幂的块宽）而不是真实的 H"
 M_CAST_ORDER = "cast 顺序写反：Qwen3 是先 n.to(x.dtype) 再乘 w，(1+w) norm 是在 fp32 里乘完再 cast"
@@ -104,12 +106,32 @@ def test_store_kvcache_skips_padding():
                                  f"（slots = {slots.tolist()}）；{r}{hint}")
 
 
-@point("store_kvcache 处理 qkv 切出的非连续 k/v")
+@point("store_kvcache 处理非连续的 k/v（qkv 切出的 view、D 维不连续的 view）")
 def test_store_kvcache_strided_views():
     m = impl(MODULE)
     r = Rand()
     k, v, slots, nb, page = _store_case(r)
     assert not k.is_contiguous()
+    _store_strided(m, r, k, v, slots, nb, page)
+    # The same k/v with a D that is not contiguous: a kernel that assumes d is contiguous (+ dims) reads other
+    # elements. k is held D-major, v is every other column of a wider tensor: each launcher guard on its own.
+    n, nkv, d = k.shape
+    kd = k.permute(2, 0, 1).contiguous().permute(1, 2, 0)          # strides (nKV, 1, N*nKV)
+    wide = torch.zeros(n, nkv, 2 * d, dtype=v.dtype, device=v.device)
+    wide[..., ::2] = v
+    vd = wide[..., ::2]                                            # strides (2*nKV*D, 2*D, 2)
+    assert kd.stride(-1) == n * nkv > 1 and vd.stride(-1) == 2 and torch.equal(kd, k) and torch.equal(vd, v)
+    bufs, (kc, vc) = _guarded_caches(nb, page, nkv, d)
+    exp = _expected_caches(bufs, k, v, slots)
+    m.store_kvcache(kd, vd, kc, vc, slots)
+    for got, want, name in zip(to_cpu(*bufs), to_cpu(*exp), ("k_cache", "v_cache")):
+        if not torch.equal(got, want):
+            raise AssertionError(f"{name}：k/v 的 D 维不连续时（k.stride() = {tuple(kd.stride())}、"
+                                 f"v.stride() = {tuple(vd.stride())}）写入的内容不对，qkv 切出的 view 是对的；{r}\n"
+                                 f"  看起来像易错点：{M_D_STRIDE}")
+
+
+def _store_strided(m, r, k, v, slots, nb, page):
     bufs, (kc, vc) = _guarded_caches(nb, page, k.shape[1], k.shape[2])
     exp = _expected_caches(bufs, k, v, slots)
     m.store_kvcache(k, v, kc, vc, slots)

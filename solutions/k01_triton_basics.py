@@ -54,7 +54,7 @@ def _store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
-    """k, v [N, nKV, D] (strided views allowed, last dim contiguous) -> caches [num_blocks, P, nKV, D] at
+    """k, v [N, nKV, D] (any strides: a view whose D is not contiguous is copied first) -> caches [num_blocks, P, nKV, D] at
     flat slots slot_mapping [N] (int32/int64, slot = block * P + offset); a slot of -1 writes nothing."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
