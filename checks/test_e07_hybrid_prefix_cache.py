@@ -544,9 +544,19 @@ def test_snapshot_dies_with_its_blocks():
                              f"num_cached_tokens 应为 0，得到 {h.num_cached_tokens}；{r}\n  看起来像易错点：{STALE}")
     bm.deallocate(h)
     bm.deallocate(g)                                          # never computed: e02 drops their hashes
+    live = _seq(e02, r.randint(1, 63, (bs + 1,)).tolist(), bs)    # another prefix, its KV still cached
+    bm.allocate(live)
+    pool.allocate(live)
+    _new_state(pool, live, r)
+    _step(bm, cache, pool, live, bs)
+    evicted = cache.stats["snapshots_evicted"]
     cache.purge()
-    assert not cache.entries, f"前缀的 KV 已不在缓存里，挂在它哈希上的快照再也够不着，purge 应丢掉它；{r}"
-    assert len(cache.free_rows) == cache.num_snapshots, f"purge 后快照行应全部空出：{cache.free_rows}"
+    _check_rows(cache, "purge 之后", r)
+    if list(cache.entries) != [_key(bm, live, 1)]:
+        raise AssertionError(f"a 的前缀的 KV 已不在缓存里（快照再也够不着），另一条序列的前缀还在：purge 应只丢掉 a 的那份、"
+                             f"留下另一份，得到 {len(cache.entries)} 份（另一份{'在' if _key(bm, live, 1) in cache.entries else '不在'}）；{r}")
+    assert cache.stats["snapshots_evicted"] == evicted, \
+        f"purge 丢掉够不着的快照不算逐出：snapshots_evicted 从 {evicted} 变成 {cache.stats['snapshots_evicted']}；{r}"
 
 
 @point("预算与 LRU：快照数不超过 num_snapshots，满了逐出最久未用的；命中刷新 LRU 顺序")
@@ -619,6 +629,7 @@ def test_full_store_purges_before_evicting():
     live = [keys[i] for i in range(size) if i not in dead]
     when = (f"快照库满（{size} 份），其中第 {dead} 份（从 LRU 队首数，0 起）的 KV 块已被逐出、再也够不着，"
             f"队首那份还能命中：再拍一份时")
+    _check_rows(cache, when, r)
     if not all(k in cache.entries for k in live) or _key(bm, new, 1) not in cache.entries:
         front_gone = keys[0] not in cache.entries
         raise AssertionError(
