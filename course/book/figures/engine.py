@@ -1,4 +1,5 @@
-"""Figures of Track E and the opening chapter: a request's life, paged KV, scheduler, batching timeline."""
+"""Figures of Track E and the opening chapter: a request's life, paged KV, scheduler, batching timeline, the sampling
+filters, one step's packed batch, the engine step, a streaming request through the server."""
 
 from __future__ import annotations
 
@@ -155,3 +156,152 @@ def tp_engine() -> Svg:
 
 FIGURES = {"tp-engine": tp_engine, "request-life": request_life, "paged-kv": paged_kv, "scheduler-states": scheduler_states,
            "batching-timeline": batching_timeline}
+
+
+def _softmax(xs: list[float | None]) -> list[float]:
+    """softmax over the kept entries (None: cut, probability 0)."""
+    import math
+    top = max(x for x in xs if x is not None)
+    e = [math.exp(x - top) if x is not None else 0.0 for x in xs]
+    return [v / sum(e) for v in e]
+
+
+def sampling_filters() -> Svg:
+    """E.1: one row of logits through temperature, top-k, top-p and min-p (HF's order), numbers computed here."""
+    z, t, k, top_p, min_p = [2.0, 1.5, 1.0, 0.5, 0.0, -1.0], 0.8, 4, 0.8, 0.3
+    x = [v / t for v in z]
+    stages = [(f"temperature T = {t}", "p = softmax(z / T)", list(x))]
+    kth = sorted(x, reverse=True)[k - 1]
+    stages.append((f"top-k，k = {k}", "删掉 < 第 k 大的", [v if v >= kth else None for v in x]))
+    p, kept, acc = _softmax(stages[-1][2]), list(stages[-1][2]), 0.0
+    for i in sorted((i for i, v in enumerate(kept) if v is not None), key=lambda i: p[i])[:-1]:
+        acc += p[i]                                  # ascending cumsum: drop while it stays <= 1 - top_p
+        if acc <= 1 - top_p:
+            kept[i] = None
+    stages.append((f"top-p，top_p = {top_p}", "升序累加 ≤ 1 − top_p 的删掉", kept))
+    p = _softmax(kept)
+    stages.append((f"min-p，min_p = {min_p}", "删掉 p < min_p · p_max", [v if v is not None and p[i] >= min_p * max(p) else None
+                                                                        for i, v in enumerate(kept)]))
+    s = Svg(760, 330, "一行 logits 依次过 temperature、top-k、top-p、min-p")
+    s.text(380, 22, f"一行 logits z = {z}（6 个 token）；每一格是这一步之后的概率，灰色虚框是被删掉的 token（logit = −inf）",
+           size=11.5)
+    pw, x0, base, hmax = 178, 20, 232, 150
+    for n, (title, rule, xs) in enumerate(stages):
+        px = x0 + n * (pw + 8)
+        s.rect(px, 36, pw, 250, fill=C["io"] if n == 0 else C["free"])
+        s.text(px + pw / 2, 56, title, size=12, weight="bold")
+        s.text(px + pw / 2, 74, rule, size=10.5, color="#444")
+        probs = _softmax(xs)
+        for j, (v, pj) in enumerate(zip(xs, probs)):
+            bx = px + 12 + j * 27
+            if v is None:
+                s.rect(bx, base - 6, 20, 6, fill="#fff", stroke="#999", rx=1, dash=True)
+            else:
+                h = max(2.0, hmax * pj)
+                s.rect(bx, base - h, 20, h, fill=C["hot"] if pj == max(probs) else C["kv"], rx=1)
+                s.text(bx + 10, base - h - 4, f"{pj:.2f}".lstrip("0"), size=9.5)
+            s.text(bx + 10, base + 14, f"t{j}", size=9.5, color="#555", mono=True)
+        if n:
+            s.arrow(px - 8, 160, px - 1, 160)
+    s.text(380, 306, "每一道筛子作用在上一道剩下的 token 上；被删的是 −inf，softmax 之后剩下的自动重新归一化", size=11)
+    s.text(380, 324, "最后一格上的抽样：q_j ~ Exp(1)（带 seed 的行用它自己的 generator），token = argmax p_j / q_j",
+           size=11, color="#a33")
+    return s
+
+
+def batch_layout() -> Svg:
+    """E.4: three sequences of one step (decode, a chunk after a cached prefix, a new prompt) and the packed tensors."""
+    P = 4
+    seqs = [("A decode", 6, 1, [3, 8]), ("B chunk", 4, 3, [5, 1]), ("C 新 prompt", 0, 3, [9])]
+    s = Svg(760, 372, "一步的 batch：每条序列算 [c, c + q) 的 token，打包成一维")
+    s.text(380, 22, f"每条序列：已在 cache 里的 c 个 token（浅色）+ 这一步要算的 q 个（橙色）；block_size P = {P}", size=12)
+    cw, x0 = 26, 190
+    for r, (name, c, q, table) in enumerate(seqs):
+        y = 40 + r * 44
+        s.text(x0 - 10, y + 20, f"{name}：c = {c}，q = {q}", size=11, anchor="end", weight="bold")
+        for t in range(c + q):
+            s.box(x0 + t * cw, y + 4, cw - 2, 24, str(t), fill=C["hot"] if t >= c else C["kv"], size=10, mono=True,
+                  rx=2)
+        s.text(x0 + 7 * cw + 14, y + 20, f"block table {table}", size=11, anchor="start", mono=True)
+    y = 196
+    s.text(20, y - 12, "打包后的一维输入（N = Σq = 7 行），每一列是一个要算的 token：", size=12, weight="bold", anchor="start")
+    cols = [(n, t, tab) for n, c, q, tab in seqs for t in range(c, c + q)]
+    rows = [("input_ids", lambda n, t, tab: f"{n[0]}{t}"), ("positions", lambda n, t, tab: str(t)),
+            ("slot_mapping", lambda n, t, tab: str(tab[t // P] * P + t % P))]
+    for i, (label, f) in enumerate(rows):
+        s.text(140, y + 22 + i * 34, label, size=11.5, anchor="end", mono=True)
+        for j, (n, t, tab) in enumerate(cols):
+            s.box(150 + j * 60, y + 4 + i * 34, 56, 26, f(n, t, tab), fill=C["hot"] if i == 0 else C["free"], size=11,
+                  mono=True, rx=2)
+    cu = [0, 1, 4, 7]
+    y2 = y + 108
+    s.text(140, y2 + 14, "cu_seqlens_q", size=11.5, anchor="end", mono=True)
+    for v in cu:
+        s.arrow(150 + v * 60 - 2, y2 - 4, 150 + v * 60 - 2, y2 - 14, arrow=True, color="#a33")
+        s.text(150 + v * 60 - 2, y2 + 14, str(v), size=11, color="#a33", mono=True)
+    s.text(380, y2 + 40, "slot = block_table[t // P]·P + t % P；input_ids 里的 A6 指 A 的第 6 号 token", size=10.5,
+           color="#444")
+    s.text(380, y2 + 60, "cu_seqlens_k = [0, 7, 14, 17]（c + q 的前缀和）：A 的 1 个 query 看 7 个 key，"
+           "B 的 3 个 query 依次看 5、6、7 个（bottom-right 因果）", size=10.5, color="#444")
+    return s
+
+
+def engine_step() -> Svg:
+    """E.5: one step of the engine loop and the two ways its events reach the caller."""
+    s = Svg(760, 300, "引擎的一步：schedule → 归还槽位 → run → postprocess → 事件")
+    boxes = [("schedule()", "e03：选出本步的\n序列与 token 数"), ("释放槽位", "waiting 里的序列\n还掉 GDN 槽位"),
+             ("run()", "e04：拼 batch、前向\n采样（-1 = 不采样）"), ("postprocess()", "e03：追加 token\n判停、还 block"),
+             ("事件", "num_tokens 变了的序列\n(id, token, finished)")]
+    w, gap, y = 128, 20, 60
+    for i, (name, what) in enumerate(boxes):
+        x = 14 + i * (w + gap)
+        s.box(x, y, w, 36, name, fill=C["gpu"] if name == "run()" else C["kv"], weight="bold", size=12, mono=i != 1 and i != 4)
+        s.text(x + w / 2, y + 56, what, size=10.5, color="#333")
+        if i:
+            s.arrow(x - gap, y + 18, x - 1, y + 18)
+    s.text(380, 34, "step() 不分 prefill / decode：每条序列让 num_cached_tokens 追 num_tokens，一步里什么都可能有", size=11.5)
+    xe = 14 + 4 * (w + gap) + w / 2
+    s.line([(xe, y + 86), (xe, 180)], arrow=True)
+    s.box(420, 182, 200, 44, "generate()：收齐每个请求\n结束时一次返回（按输入顺序）", fill=C["mlp"], size=11)
+    s.box(640, 182, 110, 44, "stream()：每个\n事件一到就 yield", fill=C["mlp"], size=11)
+    s.line([(xe, 180), (520, 180)], arrow=False)
+    s.arrow(520, 180, 520, 181)
+    s.line([(630, y + 86), (630, 250), (6, 250), (6, y + 18), (12, y + 18)], dash=True)
+    s.text(300, 244, "还有请求没结束：下一步（is_finished() 为假就继续 step）", size=11, color="#444")
+    s.text(380, 284, "一个请求结束时，它在 e04 里的 GDN 槽位与 seed 的 generator 一起还回去；被抢占的序列回到 waiting，"
+           "槽位在下一次 run 之前归还", size=10.5, color="#a33")
+    return s
+
+
+def serving_request() -> Svg:
+    """E.6: a streaming request across the client, the event-loop thread and the engine thread."""
+    s = Svg(760, 420, "一个流式请求：客户端、事件循环线程、引擎线程")
+    lanes = [(110, "客户端（openai）"), (380, "事件循环线程（FastAPI）"), (650, "引擎线程（LLM）")]
+    for x, title in lanes:
+        s.box(x - 100, 16, 200, 30, title, fill=C["io"], weight="bold", size=12)
+        s.line([(x, 46), (x, 404)], arrow=False, dash=True, color="#999")
+
+    def msg(y, a, b, label, color="#333", dash=False):
+        s.arrow(lanes[a][0], y, lanes[b][0] + (-4 if b > a else 4), y, color=color, dash=dash)
+        s.text((lanes[a][0] + lanes[b][0]) / 2, y - 5, label, size=10.5, color=color)
+    msg(74, 0, 1, "POST /v1/completions, stream=true")
+    s.text(392, 98, "parse_request：字段逐个校验，错了 → 400（param 点名字段）", size=10, anchor="start", color="#444")
+    msg(124, 1, 2, "命令 (\"add\", handle)，线程安全的队列")
+    msg(148, 2, 1, "接受 / 拒绝（→ 400）", dash=True)
+    s.rect(140, 160, 480, 26, fill=C["hot"], rx=4)
+    s.text(380, 178, "这之前还能回干净的 400 / 503；发出 200 与 text/event-stream 之后，错误只能是一帧 SSE", size=10.5)
+    msg(206, 1, 0, "HTTP 200，响应头")
+    for i, y in enumerate((238, 272)):
+        msg(y, 2, 1, "每步的事件 (id, token, finished)", color="#2a7")
+        msg(y + 12, 1, 0, "data: {…}（TextStream 解出完整字符才发）" if i == 0 else "data: {…}", color="#2a7")
+    msg(318, 2, 1, "finished = True", color="#2a7")
+    msg(332, 1, 0, "带 finish_reason 的一帧；usage；[DONE]", color="#2a7")
+    s.text(110, 362, "客户端断开", size=10.5, color="#a33")
+    msg(378, 1, 2, "finally: release → (\"abort\", handle)", color="#a33")
+    s.text(380, 404, "LLM 只被引擎线程碰：事件经 call_soon_threadsafe 放进请求自己的 asyncio.Queue；解码与 JSON 都在事件循环这边",
+           size=10.5, color="#444")
+    return s
+
+
+FIGURES.update({"sampling-filters": sampling_filters, "batch-layout": batch_layout, "engine-step": engine_step,
+                "serving-request": serving_request})

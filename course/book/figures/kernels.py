@@ -1,5 +1,5 @@
-"""Figures of the kernel-level topics: MoE dispatch and alignment, split-K decode attention, GDN chunks and kernel
-grids, CUDA-graph capture and replay."""
+"""Figures of the kernel-level topics: Triton programs (k01), MoE dispatch and alignment, split-K decode attention, GDN
+chunks and kernel grids, CUDA-graph capture and replay."""
 
 from __future__ import annotations
 
@@ -186,5 +186,61 @@ def cuda_graph() -> Svg:
     return s
 
 
+def triton_programs() -> Svg:
+    """K.1: how the two kernels split their work into programs, and what one program reads and writes."""
+    s = Svg(760, 430, "Triton 的 program：add_rms_norm 一个 program 几行，store_kvcache 一个 program 一个 token")
+    s.text(380, 22, "① add_rms_norm：[R, H] 看成 R 行，grid = (⌈R / ROWS⌉,)；H = 12 时 BLOCK_H = 16，多出的 4 列由 mask 挡住",
+           size=11.5, weight="bold")
+    rows, h, block = 6, 12, 16
+    for r in range(rows):
+        y = 40 + r * 18
+        s.rect(40, y, 12 * h, 15, fill=[C["norm"], C["attn"], C["mlp"]][r // 2], rx=1, sw=0.8)
+        s.rect(40 + 12 * h, y, 12 * (block - h), 15, fill="#fff", rx=1, dash=True, sw=0.8)
+        s.text(32, y + 12, f"row {r}", size=9.5, anchor="end", color="#555", mono=True)
+    for g in range(3):
+        s.text(250, 40 + g * 36 + 21, f"program {g}（ROWS = 2）", size=10.5, anchor="start", color="#333")
+    s.text(136, 160, "mask = cols < H", size=10, color="#a33", mono=True)
+    steps = ["load x, residual\n（mask，other = 0）", "s = x + residual\n舍入回 x.dtype", "store s\n（新的 residual）",
+             "fp32：mean(s²)\nrsqrt(· + eps)", "× w（Qwen3：先转\nx.dtype 再乘）", "store normed"]
+    for i, t in enumerate(steps):
+        x = 400 + (i % 3) * 120
+        y = 40 + (i // 3) * 62
+        s.box(x, y, 110, 44, t, fill=C["gpu"] if i in (0, 2, 5) else C["norm"], size=10)
+        if i % 3:
+            s.arrow(x - 10, y + 22, x - 1, y + 22)
+    s.line([(730, 84), (740, 84), (740, 94), (390, 94), (390, 124), (399, 124)])
+    s.text(580, 180, "一个 program 里：读 2 份、写 2 份，中间全在寄存器里", size=10.5, color="#444")
+    s.text(580, 196, "torch eager：9 个算子，[N, H] 在显存里来回 9 趟", size=10.5, color="#a33")
+    s.line([(20, 214), (740, 214)], arrow=False, dash=True, color="#bbb")
+    s.text(380, 238, "② store_kvcache：grid = (N,)，program t 把第 t 个 token 的 k、v 各 nKV·D 个元素搬进 paged cache",
+           size=11.5, weight="bold")
+    s.text(30, 266, "qkv 投影的输出 [N, (nH + 2nKV)·D]", size=10.5, anchor="start")
+    for t in range(3):
+        y = 274 + t * 26
+        for j, (w, label, fill) in enumerate(((150, "q", C["attn"]), (60, "k", C["kv"]), (60, "v", C["mlp"]))):
+            x = 30 + sum((150, 60, 60)[:j])
+            s.box(x, y, w, 20, f"{label}[{t}]", fill=fill, size=10, mono=True, rx=1)
+    s.text(165, 364, "k = qkv[:, nH·D : (nH+nKV)·D]：相邻 token 的 k 相隔一整行", size=10, color="#a33")
+    s.text(165, 380, "地址用 k.stride(0)，不是 nKV·D", size=10, color="#a33")
+    s.text(410, 266, "slot_mapping", size=10.5, mono=True)
+    for t, slot in enumerate((9, 2, -1)):
+        s.box(380, 274 + t * 26, 60, 20, str(slot), fill=C["hot"] if slot >= 0 else C["free"], size=10, mono=True, rx=1,
+              dash=slot < 0)
+        s.arrow(300, 284 + t * 26, 378, 284 + t * 26, color="#999")
+    s.text(600, 266, "k_cache [blocks, P = 4, nKV, D]", size=10.5)
+    for b in range(3):
+        for r in range(4):
+            slot = b * 4 + r
+            x, y = 500 + b * 80, 274 + r * 20
+            s.box(x, y, 70, 17, f"{slot}", fill=C["kv"] if slot in (9, 2) else "#fff", size=9, mono=True, rx=1)
+    s.curve(440, 284, 520, 240, 650, 294)
+    s.curve(440, 310, 460, 300, 548, 315)
+    s.text(600, 372, "block = slot // P，行 = slot % P", size=10.5, mono=True)
+    s.text(600, 390, "slot = −1（CUDA graph 的填充行）：整个 program 跳过", size=10.5, color="#a33")
+    s.text(380, 420, "两个 kernel 几乎不计算：时间 = 搬的字节 / 显存带宽，衡量标准是占 device-to-device copy 的几成", size=11)
+    return s
+
+
 FIGURES = {"moe-dispatch": moe_dispatch, "moe-align": moe_align, "split-k-decode": split_k_decode,
-           "gdn-chunks": gdn_chunks, "gdn-grids": gdn_grids, "cuda-graph": cuda_graph}
+           "gdn-chunks": gdn_chunks, "gdn-grids": gdn_grids, "cuda-graph": cuda_graph,
+           "triton-programs": triton_programs}
