@@ -59,6 +59,7 @@ columns:
   带宽: rate | ,.0f GB/s
   占 copy: of_anchor | .1%
   µs/调用: median_ms | *1000 .1f
+  备注: note? | str
 ```"""
 
 
@@ -66,8 +67,8 @@ def test_a_block_renders_the_table_and_its_provenance(tmp_path):
     _write(tmp_path, "results/x/k01.json", KERNEL)
     page = f"前文\n\n{BLOCK}\n\n后文 {{{{ results/x/k01.json rows[name~4096].of_anchor | .1% }}}}。\n"
     out = results.expand(page, "book/x.md", root=tmp_path)
-    assert "| 测量 | 每次调用 | 带宽 | 占 copy | µs/调用 |\n|---|---|---|---|---|\n" in out
-    assert "| add_rms_norm 8k x 4096 | 67.2 [66.8–69.0] µs | 3,995 GB/s | 93.6% | 67.2 |" in out
+    assert "| 测量 | 每次调用 | 带宽 | 占 copy | µs/调用 | 备注 |\n|---|---|---|---|---|---|\n" in out
+    assert "| add_rms_norm 8k x 4096 | 67.2 [66.8–69.0] µs | 3,995 GB/s | 93.6% | 67.2 | — |" in out
     assert "anchor" not in out.split("|---|")[1], "where: keeps only the matching rows"
     assert "后文 93.6%。" in out
     caption = re.search(r'<p class="result-caption" markdown="1">(.*)</p>', out).group(1)

@@ -23,7 +23,8 @@ file (`caption:` adds a sentence before them).
 A number in running text: `{{ results/2026-12-03/k01.json rows[name~^add_rms_norm 8k x 4096].of_anchor | .1% }}`.
 
 Expressions: a path of keys and list indices joined by dots, `.` for the row itself, `$.path` for the file's root;
-a list element chosen by a field, `[name=exact]` or `[name~regex]` (the first match); `a / b`, `a * b`, `a - b`,
+a list element chosen by a field, `[name=exact]` or `[name~regex]` (the first match); a trailing `?` for a key some
+rows lack (they show "—"); `a / b`, `a * b`, `a - b`,
 `a + b` between paths or numbers, left to right. Formats: a Python format spec (`,.0f`, `.1%`), optionally after a
 scale (`*1000 .1f µs`: the value times 1000) and followed by a unit; `span` (a timing row's median [min–max] in µs
 or ms); `join .1f` (a list, " / " between); `str`. None prints as "—". A missing key or a file without its
@@ -128,7 +129,13 @@ def evaluate(expr: str, row, root):
         try:
             return float(t)
         except ValueError:
-            return get(row, t, root)
+            pass
+        if t.endswith("?"):                      # optional: a row without it shows "—"
+            try:
+                return get(row, t[:-1], root)
+            except ResultError:
+                return None
+        return get(row, t, root)
     value = term(parts[0])
     for op, t in zip(parts[1::2], parts[2::2]):
         other = term(t)
