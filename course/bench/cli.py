@@ -243,6 +243,7 @@ def main(argv: list[str], say) -> int:
             "./check.sh bench --workload multiturn --device cpu[/]")
         return 2
     if opts.profile:
+        opts.argv = list(argv)                         # the command line, for --json
         from .profile import profile_steps
         return profile_steps(opts, say)
     from .engine import bench

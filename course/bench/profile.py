@@ -21,7 +21,7 @@ import random
 import re
 import time
 
-from .common import build_engine, replay_ms, time_calls, watch_compiles, workload
+from .common import build_engine, command_line, machine_info, replay_ms, time_calls, watch_compiles, workload
 
 # kernel name -> class (first match wins); everything else is "torch elementwise / other"
 KERNEL_CLASSES = [
@@ -204,7 +204,9 @@ def profile_steps(args, say) -> int:
         if part in report:
             report[part]["top_cpu_ops"] = report[part]["top_cpu_ops"][:10]
     print("PROFILE_JSON " + json.dumps(report), flush=True)
-    if args.json:
-        open(args.json, "w").write(json.dumps(report))
+    if args.json:                        # the same, with the command line, the machine and the versions
+        doc = dict(report, command=command_line(getattr(args, "argv", [])), machine=machine_info())
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(doc, f, ensure_ascii=False)
     llm.close()
     return 0
