@@ -89,6 +89,14 @@ def test_several_files_and_arithmetic(tmp_path):
     assert out.count("./check.sh bench --model") == 2 and out.count("NVIDIA H200") == 1
 
 
+def test_formats():
+    assert results.fmt(1.2534, ".2f×") == "1.25×" and results.fmt(0.843, ".1%") == "84.3%"
+    assert results.fmt(0.0672, "*1000 .1f µs") == "67.2 µs" and results.fmt(None, ".1f") == "—"
+    assert results.fmt([27.6, 21.25], "join .1f ms") == "27.6 / 21.2 ms"
+    with pytest.raises(results.ResultError, match="does not apply"):
+        results.fmt("text", ".1f")
+
+
 def test_a_column_the_file_lacks_fails_naming_page_line_and_key(tmp_path):
     _write(tmp_path, "results/x/k01.json", KERNEL)
     with pytest.raises(results.ResultError, match=r"book/x\.md:3: results/x/k01\.json: no 'of_copy'"):

@@ -172,8 +172,9 @@ def fmt(value, spec: str) -> str:
         return " / ".join(fmt(v, sub) for v in value) + (" " + unit if unit else "")
     if head in ("", "str"):
         return str(value) + (" " + rest if rest else "")
-    try:
-        return format(value, head) + (" " + rest if rest else "")
+    spec, glued = re.match(r"([<>=^]?[+\- ]?#?0?\d*[,_]?(?:\.\d+)?[bcdeEfFgGnosxX%]?)(.*)", head).groups()
+    try:                                           # a unit may be glued to the spec: ".2f×"
+        return format(value, spec) + glued + (" " + rest if rest else "")
     except (TypeError, ValueError):
         raise ResultError(f"format {head!r} does not apply to {value!r:.60}") from None
 
