@@ -83,9 +83,9 @@ def test_several_files_and_arithmetic(tmp_path):
                dict(command=f"./check.sh bench --model {name} --json results/x/{name}.json", machine=GPU_MACHINE,
                     workload=dict(model=name), results=[dict(tok_per_s=rate, seconds=2.0, runs=[1, 2])]))
     block = ("```result\nfile: [results/x/a.json, results/x/b.json]\nrows: results.0\ncolumns:\n"
-             "  模型: $.workload.model\n  tok/s: tok_per_s | ,.0f\n  每秒的一半: tok_per_s / seconds | .1f\n```")
+             "  模型: $.workload.model\n  tok/s: tok_per_s | ,.0f\n  每秒的一半: tok_per_s / seconds | .1f\n  两个: \"{tok_per_s | ,.0f} [{seconds | .0f} s]\"\n```")
     out = results.expand(block, root=tmp_path)
-    assert "| a | 100 | 50.0 |\n| b | 300 | 150.0 |" in out
+    assert "| a | 100 | 50.0 | 100 [2 s] |\n| b | 300 | 150.0 | 300 [2 s] |" in out
     assert out.count("./check.sh bench --model") == 2 and out.count("NVIDIA H200") == 1
 
 

@@ -27,7 +27,7 @@ a list element chosen by a field, `[name=exact]` or `[name~regex]` (the first ma
 rows lack (they show "—"); `a / b`, `a * b`, `a - b`,
 `a + b` between paths or numbers, left to right. Formats: a Python format spec (`,.0f`, `.1%`), optionally after a
 scale (`*1000 .1f µs`: the value times 1000) and followed by a unit; `span` (a timing row's median [min–max] in µs
-or ms); `join .1f` (a list, " / " between); `str`. None prints as "—". A missing key or a file without its
+or ms); `join .1f` (a list, " / " between); `str`. A cell may hold several: `{tok_per_s | ,.0f} [{lo | ,.0f}–{hi | ,.0f}]`. None prints as "—". A missing key or a file without its
 command, machine or versions is a ResultError: the build stops, and tests/test_book_results.py fails.
 """
 
@@ -179,9 +179,17 @@ def fmt(value, spec: str) -> str:
         raise ResultError(f"format {head!r} does not apply to {value!r:.60}") from None
 
 
+_PART = re.compile(r"\{([^{}]+)\}")
+
+
 def cell(expr: str, row, root) -> str:
-    expr, _, spec = expr.partition(" | ")
-    return fmt(evaluate(expr, row, root), spec).replace("|", "\\|").replace("\n", " ")
+    """One cell: `expression | format`, or a template with several, `{a | ,.0f}–{b | ,.0f}`."""
+    if "{" in expr:
+        text = _PART.sub(lambda m: cell(m.group(1), row, root), expr)
+    else:
+        expr, _, spec = expr.partition(" | ")
+        text = fmt(evaluate(expr, row, root), spec)
+    return text.replace("|", "\\|").replace("\n", " ")
 
 
 # ---------------------------------------------------------------- tables and captions
