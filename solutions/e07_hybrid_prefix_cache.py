@@ -152,7 +152,8 @@ class StateCache:
         """seq was admitted from a hit, num_cached_tokens = n * P > 0: give it a pool slot (pool.allocate(seq))
         holding every conv and recurrent state of the snapshot under the hash of block_table[n - 1], and return
         the slot. The snapshot stays in the store (others may resume from it too); num_restored += 1,
-        tokens_restored += num_cached_tokens. No snapshot under that hash: RuntimeError (never a zero state)."""
+        tokens_restored += num_cached_tokens. No snapshot under that hash: RuntimeError, raised before a slot is
+        taken (never a zero state)."""
         bm = self.block_manager
         h = bm.blocks[seq.block_table[seq.num_cached_tokens // bm.block_size - 1]].hash
         row = self.entries.get(h)
