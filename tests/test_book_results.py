@@ -93,6 +93,7 @@ def test_formats():
     assert results.fmt(1.2534, ".2f×") == "1.25×" and results.fmt(0.843, ".1%") == "84.3%"
     assert results.fmt(0.0672, "*1000 .1f µs") == "67.2 µs" and results.fmt(None, ".1f") == "—"
     assert results.fmt([27.6, 21.25], "join .1f ms") == "27.6 / 21.2 ms"
+    assert results.fmt(True, "map False=关 True=开") == "开"
     with pytest.raises(results.ResultError, match="does not apply"):
         results.fmt("text", ".1f")
 

@@ -27,7 +27,7 @@ a list element chosen by a field, `[name=exact]` or `[name~regex]` (the first ma
 rows lack (they show "—"); `a / b`, `a * b`, `a - b`,
 `a + b` between paths or numbers, left to right. Formats: a Python format spec (`,.0f`, `.1%`), optionally after a
 scale (`*1000 .1f µs`: the value times 1000) and followed by a unit; `span` (a timing row's median [min–max] in µs
-or ms); `join .1f` (a list, " / " between); `str`. A cell may hold several: `{tok_per_s | ,.0f} [{lo | ,.0f}–{hi | ,.0f}]`. None prints as "—". A missing key or a file without its
+or ms); `join .1f` (a list, " / " between); `map False=关 True=开`; `str`. A cell may hold several: `{tok_per_s | ,.0f} [{lo | ,.0f}–{hi | ,.0f}]`. None prints as "—". A missing key or a file without its
 command, machine or versions is a ResultError: the build stops, and tests/test_book_results.py fails.
 """
 
@@ -170,6 +170,11 @@ def fmt(value, spec: str) -> str:
     if head == "join":
         sub, _, unit = rest.partition(" ")
         return " / ".join(fmt(v, sub) for v in value) + (" " + unit if unit else "")
+    if head == "map":                              # `map False=关 True=开`: a value shown as a word
+        words = dict(pair.split("=", 1) for pair in rest.split())
+        if str(value) not in words:
+            raise ResultError(f"map has no word for {value!r}")
+        return words[str(value)]
     if head in ("", "str"):
         return str(value) + (" " + rest if rest else "")
     spec, glued = re.match(r"([<>=^]?[+\- ]?#?0?\d*[,_]?(?:\.\d+)?[bcdeEfFgGnosxX%]?)(.*)", head).groups()
