@@ -294,11 +294,14 @@ def test_params_rejects_bad_values():
         raise AssertionError(f"SamplingParams({name}={_arg(value)}) 应抛 ValueError（消息点名 {name!r}），但没有报错{hint}")
 
 
+STOP_SET = ("stop_token_ids 原样存成了 list：引擎每生成一个 token 都问一次 token in stop_token_ids，"
+            "一百万个 id 的列表每步都要扫一遍（存成 frozenset）")
 GOOD = [dict(), dict(temperature=0), dict(temperature=0.0), dict(temperature=1), dict(temperature=2.5),
         dict(top_k=0), dict(top_k=1), dict(top_k=10**6), dict(top_p=1.0), dict(top_p=1), dict(top_p=1e-9),
         dict(min_p=0.0), dict(min_p=1.0), dict(seed=0), dict(seed=None), dict(seed=2**40), dict(seed=2**64 - 1),
         dict(top_k=2**63 - 1), dict(temperature=1e-5), dict(max_tokens=1),
-        dict(stop_token_ids=[]), dict(stop_token_ids=[0, 151645]), dict(ignore_eos=True),
+        dict(stop_token_ids=[]), dict(stop_token_ids=[0, 151645]), dict(stop_token_ids=(5, 5)),
+        dict(stop_token_ids={7}), dict(ignore_eos=True),
         dict(temperature=0.0, top_k=50, top_p=0.9, min_p=0.05, seed=7, max_tokens=16, stop_token_ids=[2])]
 
 
@@ -313,7 +316,12 @@ def test_params_accepts_edges():
         except Exception as exc:   # noqa: BLE001
             raise AssertionError(f"SamplingParams(**{kwargs}) 是合法的，却报了 {type(exc).__name__}: {exc}") from None
         for name, value in kwargs.items():
-            if getattr(sp, name) != value:
+            if name == "stop_token_ids":                 # any list in, a set held: `in` at every token is O(1)
+                held = getattr(sp, name)
+                if not isinstance(held, (set, frozenset)) or held != set(value):
+                    raise AssertionError(f"SamplingParams(**{kwargs}).stop_token_ids 应存成 frozenset({set(value)})，"
+                                         f"得到 {held!r}\n  看起来像易错点：{STOP_SET}")
+            elif getattr(sp, name) != value:
                 raise AssertionError(f"SamplingParams(**{kwargs}).{name} 应为 {value!r}，得到 {getattr(sp, name)!r}")
 
 

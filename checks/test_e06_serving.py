@@ -215,7 +215,7 @@ def test_parse_request_fields():
             "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True, "n": 1, "user": "u"}
     _fields(_parsed(m, body, False, tok, max_model_len), {
         "params.max_tokens": k, "params.temperature": float(body["temperature"]), "params.top_p": 0.9,
-        "params.top_k": 0, "params.min_p": 0.05, "params.seed": seed, "params.stop_token_ids": [3],
+        "params.top_k": 0, "params.min_p": 0.05, "params.seed": seed, "params.stop_token_ids": {3},
         "params.ignore_eos": True, "stop": stops, "stream": True, "include_usage": True, "return_token_ids": True},
         body, {"params.top_k": "top_k = -1 是 vLLM 的“关闭”，应换成 e01 的 0"})
     body = {"model": MODEL, "prompt": text, "stop": stops[1]}
@@ -286,6 +286,41 @@ def test_text_stream_stops():
                              f"（stopped={stopped}）" + (f"\n  看起来像易错点：{hint}" if hint else "") + f"\n  {r}")
 
 
+class _CountingTokenizer:
+    """The byte tokenizer, recording how many token ids each decode call was given."""
+
+    def __init__(self, tok):
+        self._tok, self.sizes = tok, []
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def decode(self, ids, *args, **kwargs):
+        self.sizes.append(len(ids))
+        return self._tok.decode(ids, *args, **kwargs)
+
+
+WHOLE_DECODE = ("每个 token 都把全部 token_ids 重新解码：第 n 个 token 的代价是 O(n)，长输出越写越慢（事件循环上的所有请求"
+                "一起变慢）；只解码最后一个完整字符之后的那几个 token")
+
+
+@point("TextStream 每个 token 的代价不随文本变长：只重新解码最后一个完整字符之后的 token，输出与整段解码相同")
+def test_text_stream_cost_is_bounded():
+    m, r = impl(MODULE), Rand()
+    from course.runtime.tiny_tokenizer import byte_tokenizer
+    tok = _CountingTokenizer(byte_tokenizer())
+    text = _text(r, r.int(300, 400))
+    stops = [_text(r, 3) + "#", "Ω" + _text(r, 2)]              # never found: the stream runs to the end
+    ids = tok.encode(text)
+    stream = m.TextStream(tok, stops)
+    got = [stream.push(t, finished=i == len(ids) - 1) for i, t in enumerate(ids)]
+    want, _ = _card_deltas(byte_tokenizer(), ids, stops, max(len(s) for s in stops) - 1)
+    assert got == want, f"TextStream 逐 token 的增量与整段解码的结果不同：\n  得到 {got}\n  期望 {want}\n  {r}"
+    longest = max(tok.sizes, default=0)
+    assert 0 < longest <= 8, (f"{len(ids)} 个 token 里，一次 decode 最多拿到了 {longest} 个 token（一个字符至多 4 个字节 = "
+                              f"4 个 token，不该超过 8）\n  看起来像易错点：{WHOLE_DECODE}\n  {r}")
+
+
 BOOL = "bool 被当成了数字（isinstance(True, int) 为真）"
 NUMBERS = "数值只查了下限，没有按引擎放得下的范围校验（seed < 2**64、top_k < 2**63 由 SamplingParams 挡住）"
 EMPTY_STOP = "空的 stop 字符串被收下了（\"\" 在任何文本的开头都命中，输出永远是空的）"
@@ -299,6 +334,11 @@ MESSAGE = "每条消息都要先查是不是 JSON 对象：\"hi\" 这样的消�
 USAGE_BOOL = "include_usage 只收 JSON 的 true / false：\"yes\"、1 被当成真值收下了（stream_options 要查 isinstance(..., bool)）"
 OVERFLOW = ("超大的整数（10**400，JSON 的整数没有大小限制）转成 float 时抛 OverflowError，不是 ValueError，变成了 500："
             "parse_request 不要自己 float() / math.isfinite，把值原样交给 SamplingParams（e01 把它变成点名字段的 ValueError）")
+STOP_COUNT = ("stop 的个数与长度没有上限（OpenAI：最多 4 个）：每个 token 都要在文本里找每一个 stop，"
+              "350000 个 stop 的请求让同一事件循环上的所有请求一起停住")
+STOP_IDS = "stop_token_ids 的个数没有上限：一百万个 id 的请求也被收下了"
+MAX_COMPLETION = ("max_completion_tokens 的错误点名了 max_tokens：客户端发的是 max_completion_tokens，"
+                  "e01 的 ValueError 里的 max_tokens 要换成客户端用的名字")
 HUGE_TOP_K = "合法的超大 top_k 被拒绝了：top_k 的上限是 2**63（放得进 int64），大于词表只是等于不截断"
 BAD = [  # (what, endpoint, body, the field the error must name, the classic mistake {status or "code": ...}, code)
     ("非法 JSON", "completions", b'{"model": "tiny", "prompt": ', None, None, "invalid_json"),
@@ -360,6 +400,18 @@ BAD = [  # (what, endpoint, body, the field the error must name, the classic mis
      {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, "messages[0]",
      {200: CONTENT, 500: CONTENT}, None),
     ("message 不是对象", "chat/completions", {"messages": ["hi"]}, "messages[0]", {500: MESSAGE}, None),
+    ("5 个 stop 字符串", "completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop",
+     {200: STOP_COUNT}, None),
+    ("350000 个 stop 字符串", "completions", {"prompt": "hi", "stop": ["ab"] * 350000}, "stop", {200: STOP_COUNT}, None),
+    ("257 个字符的 stop", "completions", {"prompt": "hi", "stop": ["x" * 257]}, "stop", {200: STOP_COUNT}, None),
+    ("一百万个 stop_token_ids", "completions", {"prompt": "hi", "stop_token_ids": [1] * 1000000}, "stop_token_ids",
+     {200: STOP_IDS}, None),
+    ("max_completion_tokens = 0", "chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_completion_tokens",
+     {"param": MAX_COMPLETION}, None),
+    ("max_completion_tokens 超过上下文", "chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": MAX_MODEL_LEN},
+     "max_completion_tokens", {"param": MAX_COMPLETION}, "context_length_exceeded"),
 ]
 
 
@@ -424,7 +476,9 @@ def test_bad_requests_get_400():
             mistake = mistake if isinstance(mistake, dict) else {200: mistake}
             error = _openai_error(a, f"坏请求「{what}」", 400, mistake.get(a.status_code))
             assert error.get("type") == "invalid_request_error", f"「{what}」的 type 应为 invalid_request_error：{a.text}"
-            assert error.get("param") == field, f"「{what}」的错误应点名字段 {field!r}，param 是 {error.get('param')!r}"
+            assert error.get("param") == field, (f"「{what}」的错误应点名字段 {field!r}，param 是 {error.get('param')!r}"
+                                                 + (f"\n  看起来像易错点：{mistake['param']}"
+                                                    if mistake.get("param") else ""))
             assert code is None or error["code"] == code, (f"「{what}」的 code 应为 {code!r}，得到 {error['code']!r}"
                                                            + (f"\n  看起来像易错点：{mistake['code']}"
                                                               if mistake.get("code") else ""))
@@ -462,6 +516,62 @@ def test_bad_requests_get_400():
         ok = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3,
                                                   "ignore_eos": True})     # random weights may sample eos first
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3, f"坏请求之后的正常请求：{ok.text}"
+
+
+def _raw(url: str, request: bytes, seconds: float = 10) -> tuple[int, dict, bool]:
+    """Send `request` on a fresh socket: (status, JSON body or {}, whether the server closed the connection)."""
+    import socket
+    from urllib.parse import urlsplit
+    where = urlsplit(url)
+    with socket.create_connection((where.hostname, where.port), timeout=seconds) as sock:
+        sock.sendall(request)
+        data, closed = b"", False
+        while True:
+            try:
+                chunk = sock.recv(65536)
+            except (TimeoutError, socket.timeout):
+                break
+            if not chunk:
+                closed = True
+                break
+            data += chunk
+            head, _, body = data.partition(b"\r\n\r\n")
+            length = [int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")]
+            if length and len(body) >= length[0]:
+                sock.settimeout(1)                    # the whole answer is here: does the server close?
+    head, _, body = data.partition(b"\r\n\r\n")
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        parsed = {}
+    return int(head.split()[1]) if head else 0, parsed, closed
+
+
+@point("Host 头只认 localhost / 127.0.0.1 / [::1]（DNS rebinding 得 403），Content-Length 与 chunked 同时出现得 400 并关闭连接")
+def test_host_and_framing():
+    url, r = _live(), Rand()
+    port = url.rsplit(":", 1)[1]
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "LOCALHOST"):
+        status, body, _ = _raw(url, f"GET /health HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        assert status == 200, f"Host: {host} 是本机的名字，/health 应得到 200，得到 {status} {body}"
+    evil = r.choice(["attacker.example", "rebind.attacker.example", "192.168.1.7", "[::2]"])
+    for path, method, extra in (("/health", "GET", b""), ("/v1/completions", "POST",
+                                b"Content-Type: application/json\r\nContent-Length: 33\r\n\r\n"
+                                b'{"model": "tiny", "prompt": "hi"}')):
+        request = f"{method} {path} HTTP/1.1\r\nHost: {evil}:{port}\r\n".encode() + (extra or b"\r\n")
+        status, body, _ = _raw(url, request)
+        error = body.get("error") or {}
+        assert status in (400, 403) and error.get("code"), (
+            f"{method} {path}，Host: {evil}:{port}（DNS rebinding：网页的域名解析到了 127.0.0.1，浏览器发的仍是网页自己的域名）"
+            f"应得到 OpenAI 格式的 400/403，得到 {status} {body}")
+    smuggle = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+               b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    status, body, closed = _raw(url, smuggle)
+    assert status == 400 and (body.get("error") or {}).get("code"), \
+        f"同时带 Content-Length 与 Transfer-Encoding: chunked 的请求（RFC 9112 §6.1）应得到 400，得到 {status} {body}"
+    assert closed, "同时带 Content-Length 与 chunked 的请求被拒绝之后，连接应关闭（后面的字节不能被当成下一个请求）"
+    assert _health(url)["status"] == "ok"
 
 
 class _WatchedTokenizer:

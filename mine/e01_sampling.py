@@ -36,7 +36,7 @@ class SamplingParams:
     min_p: float = 0.0            # [0, 1]; 0 = off
     seed: int | None = None       # [0, SEED_LIMIT); same seed -> same tokens whatever else is in the batch
     max_tokens: int = 64          # >= 1
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: frozenset[int] = field(default_factory=frozenset)    # given as any list; held as a set
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
@@ -47,8 +47,9 @@ class SamplingParams:
         OverflowError of float()). Every value must fit where the engine puts it (seed < SEED_LIMIT,
         top_k < TOP_K_LIMIT), so a bad request fails here, alone, and never inside a batched step. A valid top_k
         may be far larger than the vocabulary (= no cut): the Sampler holds it in int64, never int32. A
-        temperature in (0, GREEDY_BELOW) is stored as 0.0 (greedy). stop_token_ids may be any list/tuple of
-        non-negative ints and is stored as a list.
+        temperature in (0, GREEDY_BELOW) is stored as 0.0 (greedy). stop_token_ids may be any list/tuple/set of
+        non-negative ints and is stored as a frozenset: the engine asks `token in stop_token_ids` at every token,
+        and a list of a million ids would be scanned each time.
         """
         raise NotImplementedError("e01: 请实现 SamplingParams.__post_init__ 的参数校验（见 lessons/e01_sampling.md）")
 

@@ -22,6 +22,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -42,6 +43,9 @@ FIELDS = {False: {"prompt": (str, list), **COMMON},                             
 RETRY_AFTER_S = 1                                    # what a 503 tells the client to wait
 SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos")
 MAX_BODY_BYTES = 4 * 2**20                           # a larger body is refused (413) before it is read in full
+MAX_STOP, MAX_STOP_CHARS = 4, 256                    # OpenAI: up to 4 stop strings; each is searched at every token
+MAX_STOP_TOKEN_IDS = 256                             # held as a set by SamplingParams: a bound on the request's size
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")  # the Host headers served unless build_app is told more
 log = logging.getLogger("course.serve")
 
 
@@ -56,6 +60,10 @@ class RequestError(ValueError):
 
 class Overloaded(RuntimeError):
     """Too many requests in flight: HTTP 503 with Retry-After."""
+
+
+class ShuttingDown(RuntimeError):
+    """The server is stopping (Ctrl-C): HTTP 503, or an SSE error event + [DONE] for a stream already running."""
 
 
 class EngineError(RuntimeError):
@@ -152,27 +160,41 @@ def parse_request(body: object, chat: bool, tokenizer, model_name: str, max_mode
         raise RequestError("stream_options is {'include_usage': bool}, with stream: true", "stream_options")
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if len(stop) > MAX_STOP:                                           # before looking at any item
+        raise RequestError(f"stop holds at most {MAX_STOP} strings, got {len(stop)}", "stop")
     if not all(isinstance(s, str) and s and _unicode(s, "stop") for s in stop):
         raise RequestError("stop is a non-empty string or a list of them", "stop")
+    if max(map(len, stop), default=0) > MAX_STOP_CHARS:
+        raise RequestError(f"each stop string has at most {MAX_STOP_CHARS} characters", "stop")
+    if len(body.get("stop_token_ids") or ()) > MAX_STOP_TOKEN_IDS:
+        raise RequestError(f"stop_token_ids holds at most {MAX_STOP_TOKEN_IDS} ids", "stop_token_ids")
     sampling = {k: body[k] for k in SAMPLING if body.get(k) is not None}
+    limit = "max_tokens"                                               # the name the client used, for errors
     if chat and body.get("max_completion_tokens") is not None:
-        sampling["max_tokens"] = body["max_completion_tokens"]
+        sampling["max_tokens"], limit = body["max_completion_tokens"], "max_completion_tokens"
     sampling.setdefault("max_tokens", max_model_len - len(prompt_ids))
     if sampling.get("top_k") == -1:                                    # vLLM's spelling of "off"
         sampling["top_k"] = 0
     try:
         params = SamplingParams(**sampling)
     except ValueError as exc:                                          # e01's messages start with the field name
-        raise RequestError(str(exc), str(exc).split()[0]) from exc
+        name, rest = str(exc).split(" ", 1)
+        name = limit if name == "max_tokens" else name
+        raise RequestError(f"{name} {rest}", name) from exc
     if len(prompt_ids) + params.max_tokens > max_model_len:
-        raise RequestError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) is more than "
-                           f"this model's context ({max_model_len})", "max_tokens", code="context_length_exceeded")
+        raise RequestError(f"prompt ({len(prompt_ids)} tokens) + {limit} ({params.max_tokens}) is more than "
+                           f"this model's context ({max_model_len})", limit, code="context_length_exceeded")
     return ParsedRequest(prompt_ids, params, stop, bool(body.get("stream")), bool(options.get("include_usage")),
                          bool(body.get("return_token_ids")), chat)
 
 
 class TextStream:
-    """Incremental detokenization: token ids in, text deltas out; whole characters only, stop strings cut off."""
+    """Incremental detokenization: token ids in, text deltas out; whole characters only, stop strings cut off.
+
+    The work per token does not grow with the text: only the tokens after the last whole character are decoded
+    again (a byte-level BPE's text is the concatenation of its tokens' bytes), and stop strings are looked for
+    only where one could end in the new text.
+    """
 
     def __init__(self, tokenizer, stop: list[str]):
         self.tokenizer, self.stop = tokenizer, stop
@@ -181,20 +203,25 @@ class TextStream:
         self.sent = 0                  # characters of self.text already returned
         self.stopped = False           # a stop string was found: the request is over
         self.hold = max((len(s) for s in stop), default=1) - 1     # a stop string may still be forming here
+        self.done_ids = 0              # token_ids[:done_ids] decode to self.text[:done_chars], whole characters
+        self.done_chars = 0
+        self.checked = 0               # self.text[:checked] holds no stop string
 
     def push(self, token_id: int, finished: bool) -> str:
         """Add one token; return the text now safe to send (when finished or stopped: everything left)."""
         self.token_ids.append(token_id)
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        tail = self.tokenizer.decode(self.token_ids[self.done_ids:], skip_special_tokens=True)
+        text = self.text[:self.done_chars] + tail
+        start = max(0, self.checked - self.hold)        # a stop string ending in the new text starts here or later
+        cuts = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
         if cuts:
             text, self.stopped = text[:min(cuts)], True
-        if finished or self.stopped:
-            end = len(text)
-        else:                          # an unfinished UTF-8 sequence decodes to U+FFFD: wait for its last byte
-            end = len(text.rstrip("\ufffd")) - self.hold
+        whole = len(text.rstrip("\ufffd"))             # an unfinished UTF-8 sequence decodes to U+FFFD
+        if whole == len(text):                         # no character is cut at the end: these tokens are done
+            self.done_ids, self.done_chars = len(self.token_ids), whole
+        end = len(text) if finished or self.stopped else whole - self.hold
         delta = text[self.sent:end] if end > self.sent else ""
-        self.text, self.sent = text, max(self.sent, end)
+        self.text, self.sent, self.checked = text, max(self.sent, end), whole
         return delta
 
 
@@ -416,6 +443,8 @@ def error_body(exc: Exception) -> tuple[int, dict]:
         status, kind, message, param, code = exc.status, "invalid_request_error", str(exc), exc.param, exc.code
     elif isinstance(exc, Overloaded):
         status, kind, message, param, code = 503, "server_overloaded", str(exc), None, "server_overloaded"
+    elif isinstance(exc, ShuttingDown):
+        status, kind, message, param, code = 503, "server_shutting_down", str(exc), None, "server_shutting_down"
     else:
         status, kind, param, code = 500, "internal_error", None, "internal_error"
         message = "the engine failed while running this request; the server log has the details"
@@ -431,12 +460,24 @@ def error_response(exc: Exception) -> Response:
 
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = MAX_BODY_BYTES, allowed_hosts: tuple[str, ...] | None = LOOPBACK_HOSTS) -> FastAPI:
     """The HTTP surface: /v1/completions, /v1/chat/completions, /v1/models, /health.
 
     With `api_key`, every /v1 route wants "Authorization: Bearer <api_key>" (401 otherwise); /health stays open.
+    Every route answers only a Host header in `allowed_hosts` (None: any), against DNS rebinding: a web page whose
+    name now resolves to 127.0.0.1 still sends its own name. app.state.shutting_down() ends every request in flight
+    with a 503 (SSE: an error event and [DONE]); the server calls it when it is told to stop.
     """
     app = FastAPI(title="course engine (OpenAI-compatible)")
+    app.add_middleware(RequestGuard, allowed_hosts=allowed_hosts)
+    in_flight: weakref.WeakValueDictionary[int, Handle] = weakref.WeakValueDictionary()
+
+    def shutting_down() -> None:
+        for handle in list(in_flight.values()):         # on the event loop: the handles' own queues
+            if not handle.finished:
+                handle.events.put_nowait(ShuttingDown("the server is shutting down; send the request again later"))
+
+    app.state.shutting_down = shutting_down
     max_model_len = engine.llm.config.max_model_len
     parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parse")    # one thread: the tokenizer's only user
 
@@ -467,6 +508,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             handle = await engine.add(req.prompt_ids, req.params)
         except (RequestError, Overloaded, EngineError) as exc:
             return error_response(exc)
+        in_flight[id(handle)] = handle
         if req.stream:
             return StreamingResponse(sse_frames(engine, handle, req, model_name), media_type="text/event-stream")
         return await _unless_disconnected(request, complete(engine, handle, req, model_name))
@@ -505,6 +547,42 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         return JSONResponse({"status": "ok" if ok else "engine stopped", **engine.stats}, status_code=200 if ok else 503)
 
     return app
+
+
+class RequestGuard:
+    """ASGI middleware run before any route: the Host header must be allowed (403), and a request framed twice
+    (Content-Length and Transfer-Encoding both: RFC 9112 section 6.1, the request-smuggling shape) gets 400 and
+    the connection is closed, so no byte after it is read as another request."""
+
+    def __init__(self, app, allowed_hosts: tuple[str, ...] | None):
+        self.app, self.allowed = app, None if allowed_hosts is None else {h.lower() for h in allowed_hosts}
+
+    async def __call__(self, scope, receive, send):
+        problem = self.problem(scope["headers"]) if scope["type"] == "http" else None
+        if problem is None:
+            return await self.app(scope, receive, send)
+        status, body = error_body(problem)
+        data = json.dumps(body).encode()
+        await send({"type": "http.response.start", "status": status, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", b"%d" % len(data)), (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": data})
+
+    def problem(self, headers: list[tuple[bytes, bytes]]) -> RequestError | None:
+        names = [name.lower() for name, _ in headers]
+        if b"content-length" in names and b"transfer-encoding" in names:
+            return RequestError("a request may not carry both Content-Length and Transfer-Encoding",
+                                code="ambiguous_framing")
+        hosts = [value.decode("latin-1").strip().lower() for name, value in headers if name.lower() == b"host"]
+        if self.allowed is None:
+            return None
+        if len(hosts) != 1:
+            return RequestError("a request needs exactly one Host header", code="invalid_host")
+        host = hosts[0]
+        name = host[:host.index("]") + 1] if host.startswith("[") and "]" in host else host.rsplit(":", 1)[0]
+        if name not in self.allowed:
+            return RequestError(f"the Host {host[:100]!r} is not served here (start the server with --allowed-host "
+                                "NAME to add it)", status=403, code="host_not_allowed")
+        return None
 
 
 def _no_constant(name: str):

@@ -131,4 +131,8 @@ PLANTS = [
           old="column([p.top_k for p in params], torch.int64)",
           new="column([p.top_k for p in params], torch.int64).to(torch.int32)",
           expect="top_k 放进了 int32 张量"),
+    Plant("stop_token_ids_kept_as_list", "stop_token_ids 原样存成了 list",
+          old="        self.stop_token_ids = frozenset(self.stop_token_ids)\n",
+          new="        self.stop_token_ids = list(self.stop_token_ids)\n",
+          expect="stop_token_ids 原样存成了 list"),
 ]

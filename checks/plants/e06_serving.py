@@ -4,8 +4,9 @@ from checks.plants import Plant
 
 PLANTS = [
     Plant("decode_token_by_token", "逐个 token 单独解码再拼接",
-          old="        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)\n",
-          new="        text = self.text + self.tokenizer.decode([token_id], skip_special_tokens=True)\n",
+          old="        tail = self.tokenizer.decode(self.token_ids[self.done_ids:], skip_special_tokens=True)\n",
+          new="        tail = self.tokenizer.decode([token_id], skip_special_tokens=True)\n"
+              "        self.done_ids, self.done_chars = len(self.token_ids) - 1, len(self.text)\n",
           expect="逐个 token 单独解码"),
     Plant("no_stop_holdback", "流式输出先漏出了 stop 字符串的前半截",
           old="        self.hold = max((len(s) for s in stop), default=1) - 1",
@@ -41,12 +42,12 @@ PLANTS = [
           new="        self.hold = min((len(s) for s in stop), default=1) - 1",
           expect=None),
     Plant("first_listed_stop", "截在列表里第一个命中的 stop 处",
-          old="        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0]\n",
-          new="        cuts = [i for i in (text.find(s) for s in self.stop) if i >= 0][:1]\n",
+          old="        cuts = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]\n",
+          new="        cuts = [i for i in (text.find(s, start) for s in self.stop) if i >= 0][:1]\n",
           expect=None),
     Plant("max_completion_tokens_ignored", "chat 的 max_completion_tokens 被忽略",
           old="    if chat and body.get(\"max_completion_tokens\") is not None:\n"
-              "        sampling[\"max_tokens\"] = body[\"max_completion_tokens\"]\n",
+              "        sampling[\"max_tokens\"], limit = body[\"max_completion_tokens\"], \"max_completion_tokens\"\n",
           new="",
           expect=None),
     Plant("empty_stop_string_dropped", "空的 stop 字符串被收下",
@@ -147,4 +148,21 @@ PLANTS = [
               "        raise RequestError(\"top_k must be < 2**31\", \"top_k\")\n"
               "    if sampling.get(\"top_k\") == -1:",
           expect="合法的超大 top_k 被拒绝了"),
+    # issue 34: hostile input
+    Plant("stop_count_unbounded", "stop 的个数与长度没有上限（个数）",
+          old="    if len(stop) > MAX_STOP:                                           # before looking at any item\n"
+              "        raise RequestError(f\"stop holds at most {MAX_STOP} strings, got {len(stop)}\", \"stop\")\n",
+          new="", expect="stop 的个数与长度没有上限"),
+    Plant("stop_length_unbounded", "stop 的个数与长度没有上限（长度）",
+          old="    if max(map(len, stop), default=0) > MAX_STOP_CHARS:\n",
+          new="    if False:\n", expect="stop 的个数与长度没有上限"),
+    Plant("stop_token_ids_unbounded", "stop_token_ids 的个数没有上限",
+          old="    if len(body.get(\"stop_token_ids\") or ()) > MAX_STOP_TOKEN_IDS:\n",
+          new="    if False:\n", expect="stop_token_ids 的个数没有上限"),
+    Plant("max_completion_param_named_max_tokens", "max_completion_tokens 的错误点名了 max_tokens",
+          old="        name = limit if name == \"max_tokens\" else name\n",
+          new="", expect="max_completion_tokens 的错误点名了 max_tokens"),
+    Plant("whole_text_decoded_each_token", "每个 token 都把全部 token_ids 重新解码",
+          old="            self.done_ids, self.done_chars = len(self.token_ids), whole\n",
+          new="            pass\n", expect="每个 token 都把全部 token_ids 重新解码"),
 ]

@@ -3,8 +3,13 @@
     ./check.sh serve                                  the offline tiny dummy Qwen3 (byte tokenizer) on 127.0.0.1:8000
     ./check.sh serve --model DIR --port 8001          a real HF folder: weights, tokenizer and chat template
     ./check.sh serve --host 0.0.0.0 --api-key KEY     reachable from the network: clients send "Authorization: Bearer KEY"
+    ./check.sh serve --allowed-host my.box            also answer requests whose Host header is my.box
 
 There is no authentication unless --api-key is given: anyone who can reach the port can spend the machine's compute.
+Only the Host names localhost, 127.0.0.1 and [::1] are served (against DNS rebinding), plus the --host it binds
+(any name when that is 0.0.0.0 or ::) and each --allowed-host. A connection gets HEADER_TIMEOUT_S to send its request
+headers; beyond max_connections() open connections the oldest idle one is closed, so idle sockets cannot use up the
+open files.
 Needs fastapi, uvicorn (and the openai client for the checks): they are in pyproject.toml.
 """
 
@@ -13,6 +18,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import ipaddress
+import os
+import resource
+import socket
 import threading
 import time
 
@@ -22,6 +30,36 @@ from .run import auto_selection, tiny_dummy_config
 PACKAGES = ("fastapi", "uvicorn")
 DUMMY_NAME = "qwen3-tiny-dummy"
 GRACEFUL_SHUTDOWN_S = 5        # Ctrl-C: open connections get this long, then they are closed (a half-sent body too)
+HEADER_TIMEOUT_S = 10          # a connection that has not sent its request headers by then is closed
+MAX_CONNECTIONS = 1024         # open connections at most (and at most a quarter of the process's open-file limit)
+LISTEN_BACKLOG = 2048           # connections the kernel queues before accept (uvicorn's default)
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def max_connections() -> int:
+    """The connection limit: MAX_CONNECTIONS, or a quarter of the open-file limit when that is lower (sockets are
+    accepted in batches before the oldest idle ones are closed: the rest is headroom for them)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(8, min(MAX_CONNECTIONS, soft // 4)) if soft != resource.RLIM_INFINITY else MAX_CONNECTIONS
+
+
+def raise_file_limit(target: int = 65536) -> None:
+    """Lift the soft open-file limit towards the hard one (as vLLM's set_ulimit does): 1024 is a common default."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = target if hard == resource.RLIM_INFINITY else min(target, hard)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
+def allowed_hosts(host: str, extra: list[str] | tuple[str, ...] = ()) -> tuple[str, ...] | None:
+    """The Host header names the server answers: loopback, the bound host, each --allowed-host; None = any name
+    (bound to every interface, the clients may use any name of this machine)."""
+    if host in WILDCARD_HOSTS:
+        return None
+    names = ["localhost", "127.0.0.1", "[::1]", *extra]
+    if not is_loopback(host):
+        names.append(f"[{host}]" if ":" in host else host)
+    return tuple(dict.fromkeys(n.lower() for n in names))
 
 
 def is_loopback(host: str) -> bool:
@@ -54,14 +92,66 @@ def dummy_llm(e05, seed: int = 0, **engine_kwargs):
     return e05.LLM(tiny_dummy_config(len(tokenizer)), tokenizer=tokenizer, seed=seed, **engine_kwargs)
 
 
+def guarded_server(app, host: str, port: int, **config):
+    """A uvicorn.Server for `app` whose connections are bounded (guarded_protocol) and whose shutdown first ends the
+    requests in flight (app.state.shutting_down: each open stream gets an error event and [DONE])."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            for server in self.servers:            # the kernel's queue back to 2048; asyncio's batch stays small
+                for sock in server.sockets:
+                    with socket.socket(fileno=os.dup(sock.fileno())) as same:
+                        same.listen(LISTEN_BACKLOG)
+
+        async def shutdown(self, sockets=None):
+            hook = getattr(app.state, "shutting_down", None)
+            if hook is not None:
+                hook()
+            await super().shutdown(sockets)
+
+    limit = max_connections()
+    # asyncio accepts up to `backlog` sockets in one go before any of them can close another: keep the batch small
+    # so that the limit plus a few batches stays below the open-file limit
+    return Server(uvicorn.Config(app, host=host, port=port, http=guarded_protocol(limit=limit),
+                                 backlog=max(8, limit // 8), **config))
+
+
+def guarded_protocol(header_timeout: float = HEADER_TIMEOUT_S, limit: int | None = None):
+    """uvicorn's h11 protocol with a deadline for the request headers and a bound on open connections: beyond
+    `limit`, a new connection closes the oldest one that has no request running (idle), or itself."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+    limit = max_connections() if limit is None else limit
+
+    class GuardedH11Protocol(H11Protocol):
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self.opened = self.loop.time()
+            if len(self.connections) > limit:             # the oldest idle connection makes room, else this one
+                idle = [c for c in self.connections if c is not self and c._idle()]
+                (min(idle, key=lambda c: c.opened) if idle else self).transport.close()
+            self.header_deadline = self.loop.call_later(header_timeout, self._headers_overdue)
+
+        def _idle(self) -> bool:                       # no request running, and not already being closed
+            return (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing()
+
+        def _headers_overdue(self):
+            if self.cycle is None:                     # the first request's headers never arrived
+                self.transport.close()
+
+        def connection_lost(self, exc):
+            self.header_deadline.cancel()
+            super().connection_lost(exc)
+
+    return GuardedH11Protocol
+
+
 class BackgroundServer:
     """uvicorn serving `app` on a thread of this process (checks and benchmarks); port 0 = any free port."""
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
-        import uvicorn
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=1)
-        self.server = uvicorn.Server(config)
+        self.server = guarded_server(app, host, port, log_level="warning", access_log=False, timeout_graceful_shutdown=1)
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20
@@ -90,6 +180,8 @@ def main(argv: list[str], say) -> int:
     parser.add_argument("--max-pending", type=int, default=256, help="requests in flight before HTTP 503")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--api-key", help="require 'Authorization: Bearer API_KEY' on every /v1 request (401 otherwise)")
+    parser.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                        help="also serve requests whose Host header is NAME (repeatable; loopback names always)")
     args = parser.parse_args(argv)
     missing = missing_packages()
     if missing:
@@ -110,7 +202,7 @@ def main(argv: list[str], say) -> int:
         name = DUMMY_NAME
         say("模型：离线的迷你 Qwen3（随机 dummy 权重，字节级 tokenizer）——输出是随机文本，只用来验证服务能跑通。")
     engine = e06.AsyncEngine(llm, max_pending=args.max_pending).start()
-    app = e06.build_app(engine, name, api_key=args.api_key) if args.api_key else e06.build_app(engine, name)
+    app = e06.build_app(engine, name, api_key=args.api_key, allowed_hosts=allowed_hosts(args.host, args.allowed_host))
     if not is_loopback(args.host):
         say(f"[yellow]警告：监听 {args.host} 时，能连上这台机器 {args.port} 端口的任何人都能调用这个服务、占用它的算力"
             + ("（已要求 API key）。[/]" if args.api_key else "；它没有身份验证——请加 --api-key KEY，或只监听 127.0.0.1。[/]"))
@@ -118,10 +210,9 @@ def main(argv: list[str], say) -> int:
     auth = " -H 'Authorization: Bearer $API_KEY'" if args.api_key else ""
     say(f"  curl http://{args.host}:{args.port}/v1/completions -H 'Content-Type: application/json'{auth} "
         f"-d '{{\"model\": \"{name}\", \"prompt\": \"你好\", \"max_tokens\": 16}}'", markup=False)
-    import uvicorn
+    raise_file_limit()
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info",
-                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        guarded_server(app, args.host, args.port, log_level="info", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S).run()
     finally:
         engine.shutdown()
     return 0
