@@ -32,6 +32,10 @@ M_GEMMA_DTYPE = ("(1+w) 在权重的 dtype 里算：w load 出来没有 .to(tl.f
 M_SUM_UNROUNDED = "对未舍入的 fp32 和 x + residual 求统计量：应先把和舍入到 x.dtype（与 HF / m01 一致），再求 norm"
 M_RES_OUT = "返回的 residual 不是 x + residual"
 M_EPS_OUT = "eps 放在了根号外（h / (sqrt(mean) + eps)）：应为 h · rsqrt(mean(h²) + eps)，范数很小的行差别很大"
+M_ROWS_ZERO = ("H > 2048 时每个 program 的行数算成了 0：2048 // BLOCK_H = 0，"
+               "grid = cdiv(R, 0) 除以零；ROWS 至少为 1（max(1, ...)）")
+M_OUT_DTYPE = ("输出 dtype 照 m01：Qwen3 norm 是 w * n.to(x.dtype)，dtype 是 w 与 x 的提升（fp32 权重 → fp32）；"
+               "(1+w) norm 在 fp32 里乘完 cast 回 x.dtype")
 M_X_STRIDE = "把 x 的行步长当成了 H：x 可以是更宽张量的列切片（x.stride(0) > H），应把 x2.stride(0) 传进 kernel"
 M_GRID_DOWN = "最后几行没有被归一化：grid 向下取整了，应为 cdiv(R, ROWS)（R 不是 ROWS 的整数倍）"
 M_ROW_MASK = "最后一个 program 多出来的行没有 mask（行 mask rows < R）：写到了输出张量之外"
@@ -114,21 +118,41 @@ def test_store_kvcache_strided_views():
     assert not k.is_contiguous()
     _store_strided(m, r, k, v, slots, nb, page)
     # The same k/v with a D that is not contiguous: a kernel that assumes d is contiguous (+ dims) reads other
-    # elements. k is held D-major, v is every other column of a wider tensor: each launcher guard on its own.
+    # elements. Four layouts, each given to k once and to v once, so every launcher guard meets each of them.
+    layouts = {"D-major（stride(1) = 1）": lambda t: t.permute(2, 0, 1).contiguous().permute(1, 2, 0),
+               "全转置（stride(0) = 1）": lambda t: t.permute(2, 1, 0).contiguous().permute(2, 1, 0),
+               "隔列切出（stride(-1) = 2）": _every_other_column,
+               "D 维广播（stride(-1) = 0）": None}
+    names = list(layouts)
     n, nkv, d = k.shape
-    kd = k.permute(2, 0, 1).contiguous().permute(1, 2, 0)          # strides (nKV, 1, N*nKV)
-    wide = torch.zeros(n, nkv, 2 * d, dtype=v.dtype, device=v.device)
-    wide[..., ::2] = v
-    vd = wide[..., ::2]                                            # strides (2*nKV*D, 2*D, 2)
-    assert kd.stride(-1) == n * nkv > 1 and vd.stride(-1) == 2 and torch.equal(kd, k) and torch.equal(vd, v)
-    bufs, (kc, vc) = _guarded_caches(nb, page, nkv, d)
-    exp = _expected_caches(bufs, k, v, slots)
-    m.store_kvcache(kd, vd, kc, vc, slots)
-    for got, want, name in zip(to_cpu(*bufs), to_cpu(*exp), ("k_cache", "v_cache")):
-        if not torch.equal(got, want):
-            raise AssertionError(f"{name}：k/v 的 D 维不连续时（k.stride() = {tuple(kd.stride())}、"
-                                 f"v.stride() = {tuple(vd.stride())}）写入的内容不对，qkv 切出的 view 是对的；{r}\n"
-                                 f"  看起来像易错点：{M_D_STRIDE}")
+    for i in range(len(names)):
+        kname, vname = names[i], names[(i + 1) % len(names)]
+        kk, vv = (_d_strided(layouts[name], t) for name, t in ((kname, k), (vname, v)))
+        assert kk.stride(-1) != 1 and vv.stride(-1) != 1
+        bufs, (kc, vc) = _guarded_caches(nb, page, nkv, d)
+        exp = _expected_caches(bufs, kk, vv, slots)
+        m.store_kvcache(kk, vv, kc, vc, slots)
+        for got, want, name in zip(to_cpu(*bufs), to_cpu(*exp), ("k_cache", "v_cache")):
+            if not torch.equal(got, want):
+                raise AssertionError(f"{name}：k/v 的 D 维不连续时写入的内容不对（k：{kname}，stride {tuple(kk.stride())}；"
+                                     f"v：{vname}，stride {tuple(vv.stride())}），qkv 切出的 view 是对的；{r}\n"
+                                     f"  看起来像易错点：{M_D_STRIDE}")
+
+
+def _every_other_column(t):
+    wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
+    wide[..., ::2] = t
+    return wide[..., ::2]
+
+
+def _d_strided(layout, t):
+    """t [N, nKV, D] in a layout whose D is not contiguous; None: t's D broadcast (every element of a row = its
+    first), which the caches must then hold too."""
+    if layout is None:
+        return t[..., :1].expand(t.shape)
+    out = layout(t)
+    assert torch.equal(out, t)
+    return out
 
 
 def _store_strided(m, r, k, v, slots, nb, page):
@@ -193,17 +217,24 @@ def _rms_inputs(r: Rand, shape, hidden: int, sliced: bool):
     return x, res, w, tiny
 
 
-@point("add_rms_norm 的残差协议与 m01 一致（任意前导维度、奇数行数、列切片输入、范数很小的行）")
+@point("add_rms_norm 的残差协议与 m01 一致（任意前导维度、奇数行数、列切片输入、范数很小的行、H > 2048）")
 def test_add_rms_norm_protocol_fp32():
     m = impl(MODULE)
     r = Rand()
     for gemma in (False, True):
         hidden = r.choice([48, 96, 100, 128] if gemma else [48, 96, 100])      # at least one H not a power of 2
         # odd row counts (never a multiple of a power-of-2 ROWS), one above 64; the 2-D x is a column slice
-        for shape, sliced in (((2 * r.int(33, 48) + 1, hidden), True), ((3, 2 * r.int(2, 6) + 1, hidden), False)):
+        wide_h = r.int(2049, 2300)                # BLOCK_H 4096: fewer than one row's 2048 elements per row slot
+        for shape, sliced in (((2 * r.int(33, 48) + 1, hidden), True), ((3, 2 * r.int(2, 6) + 1, hidden), False),
+                              ((r.int(2, 4), wide_h), False)):
+            hidden = shape[-1]
             x, res, w, tiny = _rms_inputs(r, shape, hidden, sliced)
             for residual in (None, res):
-                out, s = _call(m, x, residual, w, 1e-6, gemma, guard=True)
+                try:
+                    out, s = _call(m, x, residual, w, 1e-6, gemma, guard=True)
+                except ZeroDivisionError as exc:
+                    raise AssertionError(f"add_rms_norm（x {list(shape)}，BLOCK_H = {triton_block(hidden)}）除以零：{exc}；{r}"
+                                         + (f"\n  看起来像易错点：{M_ROWS_ZERO}" if hidden > 2048 else "")) from exc
                 ref, ref_s = _m01_fused(x, residual, w, 1e-6, gemma)
                 name = (f"add_rms_norm（gemma={gemma}，x {list(shape)}"
                         f"{'，x 是宽张量的列切片，行步长 ' + str(x.stride(0)) if sliced else ''}，"
@@ -245,7 +276,7 @@ def _ulp_match(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out == ref).float().mean())
 
 
-@point("fp16 下 cast 顺序与 m01 逐位一致（≥ 98% 元素）")
+@point("fp16 下 cast 顺序与 m01 逐位一致（≥ 98% 元素），fp32 权重时输出 dtype 与 m01 相同")
 def test_cast_order_fp16():
     m = impl(MODULE)
     r = Rand()
@@ -275,6 +306,14 @@ def test_cast_order_fp16():
                         + "都对不上；cast 顺序的差别最多 1 个 ulp，差得更多时先看统计量是否在 fp32 里算（下一项检查）")
             raise AssertionError(msg)
         assert_close(out, ref, what=f"add_rms_norm fp16（gemma={gemma}）", rand=r, atol=1e-2, rtol=1e-2)
+    w32 = r.randn(h, scale=0.3) + 1                                   # fp32 norm weights on fp16 activations
+    for gemma in (False, True):
+        out, _ = _call(m, x, res, w32, 1e-6, gemma)
+        ref, _ = _m01_fused(x, res, w32, 1e-6, gemma)
+        if out.dtype != ref.dtype:
+            raise AssertionError(f"add_rms_norm（x fp16、w fp32，gemma={gemma}）的输出 dtype 应与 m01 相同，为 {ref.dtype}，"
+                                 f"得到 {out.dtype}；{r}\n  {M_OUT_DTYPE}")
+        assert_close(out, ref, what=f"add_rms_norm（x fp16、w fp32，gemma={gemma}）", rand=r, atol=1e-2, rtol=1e-2)
 
 
 def _fp16_variants(x, res, w, gemma):
