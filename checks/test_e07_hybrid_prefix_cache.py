@@ -952,6 +952,53 @@ def test_registration_follows_computed():
                              f"{want[u:]}），得到 {reg}；{r}\n  看起来像易错点：{SHADOWED}")
 
 
+
+@point(COMPUTED_POINT)
+def test_registration_survives_a_preempted_owner():
+    r = Rand()
+    bs = r.choice([2, 4])
+    s = r.int(2, 3)
+    u = r.int(1, s - 1)
+    num_blocks = 48
+    m, e02, pool, cache, bm = _parts(r, num_blocks, 8, bs)
+    # the pool's last two blocks (ids num_blocks - 2, num_blocks - 1) hold a finished request's computed, cached KV,
+    # at the tail of the free list: every block handed out below comes before them
+    held = _seq(e02, [63] * ((num_blocks - 2) * bs), bs)
+    bm.allocate(held)
+    old = _seq(e02, r.randint(32, 63, (2 * bs,)).tolist(), bs)
+    bm.allocate(old)
+    old.num_scheduled_tokens = 2 * bs
+    bm.mark_computed(old)
+    old.num_cached_tokens, old.num_scheduled_tokens = 2 * bs, 0
+    bm.deallocate(held)
+    bm.deallocate(old)
+    system = r.randint(1, 31, (s * bs,)).tolist()
+    tail = lambda: r.randint(32, 63, (2 * s * bs + r.int(1, bs),)).tolist()   # noqa: E731  (too long to wait for)
+    a, b = _seq(e02, system + tail(), bs), _seq(e02, system + tail(), bs)
+    hashes = []
+    for i in range(s):
+        hashes.append(e02.compute_block_hash(system[i * bs:(i + 1) * bs], hashes[-1] if hashes else -1))
+    bm.allocate(a)                                           # a and b admitted in the same step, neither computed
+    reg = [bm.hash_to_block_id.get(h) for h in hashes]
+    if reg != a.block_table[:s]:
+        raise AssertionError(f"a 接纳时登记它的前 {s} 块（哈希还没有人登记过）：hash_to_block_id 应指向 {a.block_table[:s]}，"
+                             f"得到 {reg}（池子末尾两块 {num_blocks - 2}、{num_blocks - 1} 是别的请求算好、已释放的块）；{r}")
+    bm.allocate(b)
+    pool.allocate(b)
+    bm.deallocate(a)                                         # preempted before its first step: it computed nothing
+    _new_state(pool, b, r)
+    _step(bm, cache, pool, b, u * bs)
+    _new_state(pool, b, r)
+    _step(bm, cache, pool, b, (s - u) * bs + 1)
+    reg = [bm.hash_to_block_id.get(h) for h in hashes]
+    if reg != b.block_table[:s]:
+        raise AssertionError(f"a、b 同一步接纳、各自登记同一段前 {s} 块；a 一步没算就被抢占（deallocate），b 算完了这 {s} 块：登记应"
+                             f"指向 b 的 {b.block_table[:s]}，得到 {reg}（None = 这段内容没有登记，后来的请求命中不到）；{r}")
+    c = _seq(e02, system + r.randint(32, 63, (1,)).tolist(), bs)
+    bm.allocate(c)
+    assert c.num_cached_tokens == u * bs, \
+        f"c 以同样的 {s} 块开头，b 在 {u * bs} 拍了快照：应从那里恢复，得到 num_cached_tokens {c.num_cached_tokens}；{r}"
+
 @point("capture / restore：算到 block 边界才拍、挂在结束处那一块的哈希上；decode 也拍，但每条序列在 prompt 之后只留最新一份；命中截到最后一个有快照的块；恢复的 conv 与 recurrent 状态逐元素相等")
 def test_restore_without_snapshot_raises():
     r = Rand()

@@ -226,8 +226,8 @@ class HybridBlockManager(BlockManager):
         for block_id in seq.block_table[seq.num_cached_tokens // self.block_size:done]:
             self.computed[block_id] = True
             self.wanted.discard(block_id)
-            h = self.blocks[block_id].hash
-            if h != -1 and not self.computed[self.hash_to_block_id.get(h, block_id)]:
+            h = self.blocks[block_id].hash                # a full block: always hashed
+            if not self.computed[self.hash_to_block_id.get(h, block_id)]:
                 self.hash_to_block_id[h] = block_id
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:

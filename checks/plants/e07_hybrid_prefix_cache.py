@@ -174,7 +174,7 @@ PLANTS = [
           new="",
           expect="不该再被等"),
     Plant("no_reregister", "一块刚算好、登记却指向没算好的拷贝时，没有把登记改过来",
-          old="            if h != -1 and not self.computed[self.hash_to_block_id.get(h, block_id)]:\n"
+          old="            if not self.computed[self.hash_to_block_id.get(h, block_id)]:\n"
               "                self.hash_to_block_id[h] = block_id\n",
           new="",
           expect="没有把登记改到算好的这份"),
