@@ -41,7 +41,9 @@ MINP_LE = ("min_p 的比较用了 <=：HF 删的是 p < min_p * p_max（严格�
            "——min_p=1 时最大的那个（以及与它并列的）都应留下")
 TOPP_STRICT = ("top-p 的边界用了 <：升序累计概率恰好等于 1 - top_p 的 token 也要删（HF：cumsum <= 1 - top_p），"
                "并列的 logits 正好落在这个边界上")
-TIES = "并列 logits 的取舍与 HF 相反：HF 用升序 stable 排序，并列时 index 大的排在后面、先被保留"
+TIES = "并列 logits 的取舍与约定相反：约定是升序 stable 排序（与 HF 在短行上一致），并列时 index 大的排在后面、先被保留"
+TIES_UNSTABLE = ("排序不是 stable 的：torch.sort 默认不稳定，一行超过 16 个元素时并列 logits 的先后不确定；"
+                 "约定是升序 stable 排序（torch.sort(..., stable=True)），并列时 index 小的排在前面、先被删")
 TOPK_TIES = "top-k 只留了恰好 k 个（按 topk 的下标做 mask），丢了与第 k 大并列的 token（HF 删的是严格小于第 k 大的值）"
 TOPP_OFF = ("top_p=1 时没有整体跳过 top-p：softmax 下溢成 0 的 token 满足 cumsum <= 1 - 1 = 0 被误删"
             "（HF 在 top_p=1 时根本不加这个 warper）")
@@ -383,6 +385,32 @@ def test_warp_edges_and_ties():
         out = m.warp_logits(tied.clone(), T, k, p, mp)
     assert_warp(out, tied, T, k, p, mp, r, "warp_logits（n 个并列最大值，top_p = j/n、min_p = 1 恰在边界上）", ties=True)
 
+    # ties in rows longer than 16: torch's default (unstable) sort keeps index order only up to 16 entries, so there
+    # HF's own pick among equal logits is the sort's accident. The contract is a stable ascending sort (ties in index
+    # order): HF's chain on the same logits with each tie broken by its index (x + index * 1e-6), every top_p drawn
+    # at least 1e-3 away from a cumulative sum so that the nudge cannot move the cut
+    vocab = r.int(17, 64)
+    long_ties = r.randint(0, 4, (6, vocab)).float()
+    nudged = long_ties + torch.arange(vocab) * 1e-6
+    cuts = []
+    for row in nudged:
+        cum = torch.softmax(row, -1).sort().values.cumsum(0)
+        cuts.append(next(x for x in (r.py.uniform(0.05, 0.95) for _ in range(1000))
+                         if float((cum - (1 - x)).abs().min()) > 1e-3))
+    T, k, mp = torch.ones(6), torch.zeros(6, dtype=torch.int64), torch.zeros(6)
+    p = torch.tensor(cuts)
+    with explain_crash(CRASHES):
+        out = m.warp_logits(long_ties.clone(), T, k, p, mp)
+    want = hf_warp(nudged, T, k, p, mp)
+    if isinstance(out, torch.Tensor) and out.shape == want.shape \
+            and not torch.equal(torch.isneginf(out), torch.isneginf(want)):
+        b = int((torch.isneginf(out) != torch.isneginf(want)).any(-1).nonzero()[0])
+        flipped = torch.equal(torch.isneginf(out), torch.isneginf(hf_warp(long_ties - torch.arange(vocab) * 1e-6,
+                                                                           T, k, p, mp)))
+        raise AssertionError(f"warp_logits（V = {vocab} 的整数 logits，许多并列，top_p = {float(p[b]):.4f}）：第 {b} 行"
+                             f"过滤掉的 token 与“并列按 index 顺序”的约定不同；{r}{MISTAKE_HINT}"
+                             + (TIES if flipped else TIES_UNSTABLE))
+
 
 @point("temperature=0（及小于 1e-5 的正值）的行取 argmax（并列取第一个），不受 top-k/top-p/seed 影响")
 def test_greedy_rows_take_argmax():
@@ -557,10 +585,10 @@ def test_distribution():
                m.SamplingParams(temperature=1.0, top_p=_f32(r.py.uniform(0.6, 0.85)), min_p=_f32(0.1))]
     sampler = m.Sampler()
     draws = 3000
-    for sp in configs:
+    for seeded, sp in zip((0, draws // 2, draws), configs):        # no row, half the rows, every row seeded
         probs = torch.softmax(hf_chain(sp.temperature, sp.top_k, sp.top_p, sp.min_p)(None, logits.clone()), -1)[0]
-        first = r.int(0, 10**6)                                     # half the rows seeded, one seed each
-        gens = _gens(m, list(range(first, first + draws // 2))) + [None] * (draws - draws // 2)
+        first = r.int(0, 10**6)                                     # one seed each
+        gens = _gens(m, list(range(first, first + seeded))) + [None] * (draws - seeded)
         torch.manual_seed(r.seed)                                   # the unseeded half uses the global RNG
         with explain_crash(CRASHES):
             tokens = sampler(logits.expand(draws, vocab).clone(), [sp] * draws, gens)

@@ -98,8 +98,8 @@ def warp_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     """logits [B, V] fp32; temperature [B] (> 0), top_k [B] int (0 = off), top_p [B] (1 = off),
     min_p [B] (0 = off) -> [B, V]: logits / temperature with every filtered entry set to -inf.
 
-    Row for row identical to HF's Temperature -> TopK -> TopP -> MinP warpers (min_tokens_to_keep=1,
-    ties as HF's ascending sort). One sort serves both top-k and top-p; no loop over rows.
+    Row for row identical to HF's Temperature -> TopK -> TopP -> MinP warpers (min_tokens_to_keep=1);
+    equal logits in index order (a stable ascending sort, as HF's sort gives them on rows of <= 16). One sort serves both top-k and top-p; no loop over rows.
     """
     vocab = logits.shape[-1]
     x = logits / temperature[:, None]                                   # [B, V]: temperature first

@@ -11,6 +11,10 @@ _WARP_RETURN = """    probs = x.softmax(dim=-1)                                 
 """
 
 PLANTS = [
+    Plant("unstable_sort", "top-p 的排序不是 stable 的",
+          old="    sorted_x, order = torch.sort(x, dim=-1, stable=True)",
+          new="    sorted_x, order = torch.sort(x, dim=-1)",
+          expect="排序不是 stable 的"),
     Plant("bool_accepted_as_number", "校验没有排除 bool",
           old="            if isinstance(value, bool) or not isinstance(value, numbers.Real):\n",
           new="            if not isinstance(value, numbers.Real):\n",
@@ -62,7 +66,7 @@ PLANTS = [
           old="    sorted_x, order = torch.sort(x, dim=-1, stable=True)                # [B, V] ascending\n",
           new="    sorted_x, order = torch.sort(x.flip(-1), dim=-1, stable=True)\n"
               "    order = vocab - 1 - order\n",
-          expect="并列 logits 的取舍与 HF 相反"),
+          expect="并列 logits 的取舍与约定相反"),
     Plant("top_k_exactly_k", "top-k 只留恰好 k 个，丢了并列",
           old="sorted_x = sorted_x.masked_fill(sorted_x < kth, -math.inf)",
           new="sorted_x = sorted_x.masked_fill(torch.arange(vocab) < (vocab - k)[:, None], -math.inf)",
