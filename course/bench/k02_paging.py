@@ -126,9 +126,12 @@ def measure(name: str, replays: int) -> list[dict]:
             q, kc, vc, tables, k, v = sets[0]
             same = torch.equal(m.flash_attention_varlen(q, k, v, cu, cu, length, scale),
                                m.prefill_attention(q, kc, vc, cu, cu, tables, length, scale))
-            rows.append(dict(variant=name, page=page, seqs=num_seqs, length=length,
-                             unpaged_us=[x * 1e3 for x in tu.ms], paged_us=[x * 1e3 for x in tp.ms],
-                             paged_equals_unpaged=same))
+            unpaged, paged = [x * 1e3 for x in tu.ms], [x * 1e3 for x in tp.ms]
+            rows.append(dict(variant=name, page=page, seqs=num_seqs, length=length, shape=f"{num_seqs} x {length}",
+                             unpaged_us=unpaged, paged_us=paged, paged_equals_unpaged=same,
+                             unpaged_median_us=_median(unpaged), unpaged_min_us=min(unpaged),
+                             unpaged_max_us=max(unpaged), paged_median_us=_median(paged), paged_min_us=min(paged),
+                             paged_max_us=max(paged), ratio=_median(paged) / _median(unpaged)))
             del sets
     return rows
 
@@ -202,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {VARIANTS[name][0]}", flush=True)
             for row in _run_child(["time", name, str(path), str(opts.replays)]):
                 result["rows"].append(row)
-                u, p = _median(row["unpaged_us"]), _median(row["paged_us"])
+                u, p = row["unpaged_median_us"], row["paged_median_us"]
                 print(f"  P {row['page']:3d}  {row['seqs']:2d} x {row['length']:4d}: unpaged {u:6.1f} µs "
                       f"[{min(row['unpaged_us']):.1f}–{max(row['unpaged_us']):.1f}]  paged {p:6.1f} µs "
                       f"[{min(row['paged_us']):.1f}–{max(row['paged_us']):.1f}]  paged/unpaged {p / u:.3f}"
@@ -211,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                 for paged in (False, True):
                     env = dict(os.environ, TRITON_CACHE_DIR=str(Path(tmp) / f"cache_{name}_{paged}"))
                     counts = _run_child(["ttgir", name, str(path), "paged" if paged else "unpaged"], env)
-                    result["ttgir"].append(dict(variant=name, paged=paged, **counts))
+                    result["ttgir"].append(dict(variant=name, paged=paged, kernel="paged" if paged else "unpaged",
+                                                **counts))
                     print(f"  {'paged  ' if paged else 'unpaged'} kernel: {counts}", flush=True)
     if opts.json:
         Path(opts.json).parent.mkdir(parents=True, exist_ok=True)
