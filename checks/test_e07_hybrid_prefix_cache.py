@@ -67,6 +67,8 @@ REGISTER_UNCOMPUTED = ("一块刚算好、它的哈希却登记在另一份还�
 SHADOWED = ("没算好的拷贝顶掉了已算好的登记（_cache_block）：新登记的这份还没写 KV，后来的请求命中串到它就断了；"
             "已算好的那份保持登记，新块只带上哈希")
 RESTORE_ZERO = "restore 找不到快照时悄悄从零状态（或随便一行）接着算：命中和快照不一致是 bug，要抛 RuntimeError"
+OLD_GONE = ("丢旧快照前没有确认它还在表里：newest 记着的上一份快照可能已被 LRU 逐出或被 purge 收走，"
+            "entries.pop(old) 就会 KeyError；先问 old in entries")
 NEW_TOKENS = 5
 
 
@@ -770,7 +772,7 @@ def test_wait_for_a_prefix_computed_this_step():
     r = Rand()
     bs = r.choice([2, 4])
     s = r.int(3, 4)                                          # the shared prefix: s full blocks
-    u = r.int(1, s - 1)                                      # later: its first u blocks computed, a snapshot there
+    u = s - 1                                                # later: all but its last block computed, a snapshot there
     m, e02, pool, cache, bm = _parts(r, 64, 8, bs)
     system = r.randint(1, 31, (s * bs,)).tolist()
     a = _seq(e02, system + r.randint(1, 31, (r.int(1, 3 * bs),)).tolist(), bs)
@@ -1018,6 +1020,37 @@ def test_restore_without_snapshot_raises():
     raise AssertionError(f"a 的 num_cached_tokens = {a.num_cached_tokens}，但表里没有第 {a.num_cached_tokens // bs - 1} 块哈希的"
                          f"快照：restore 应抛 RuntimeError，得到返回槽位 {slot!r}；{r}\n  看起来像易错点：{RESTORE_ZERO}")
 
+
+
+@point("预算与 LRU：快照数不超过 num_snapshots，满了逐出最久未用的；命中刷新 LRU 顺序")
+def test_own_old_snapshot_already_evicted():
+    r = Rand()
+    bs = r.choice([2, 4])
+    m, e02, pool, cache, bm = _parts(r, 32, 2, bs)
+    a = _seq(e02, r.randint(1, 63, (bs + r.int(1, bs - 1),)).tolist(), bs)   # the prompt ends inside block 1
+    bm.allocate(a)
+    pool.allocate(a)
+    _new_state(pool, a, r)
+    _step(bm, cache, pool, a, a.num_tokens)
+    _decode(bm, cache, pool, a, r, 2 * bs)                   # a's answer crosses 2P: its newest snapshot
+    _check_taken(bm, cache, a, 2, "a 的 decode ", r, decode=True)
+    old = _key(bm, a, 2)
+    for i, o in enumerate(_one_block_seqs(e02, bm, pool, r, 2, bs)):   # budget 2: the second one evicts a's
+        _new_state(pool, o, r)
+        _step(bm, cache, pool, o, bs)
+        _check_taken(bm, cache, o, 1, f"第 {i} 条别的序列的 chunk ", r)
+    assert old not in cache.entries, f"（检查的前提）预算 2 份，a 在 {2 * bs} 的快照应已被 LRU 逐出；{r}"
+    when = (f"a 在 prompt 之后的上一份快照（边界 {2 * bs}）已被 LRU 逐出（newest 里还记着它），a 的 decode 走到 {3 * bs} "
+            f"拍新快照时")
+    try:
+        _decode(bm, cache, pool, a, r, 3 * bs)
+    except KeyError as exc:
+        if exc.args and exc.args[0] == old:
+            raise AssertionError(f"{when}：capture 抛出 KeyError {old}（那份旧快照的哈希）；{r}\n  看起来像易错点：{OLD_GONE}") from None
+        raise
+    _check_rows(cache, when, r)
+    _check_taken(bm, cache, a, 3, "a 的 decode ", r, decode=True)
+    assert cache.newest.get(a.seq_id) == _key(bm, a, 3), f"{when}：newest[a] 应记下新快照的哈希；{r}"
 
 # ----------------------------------------------------------------------------- the engine, against HF
 @functools.lru_cache(maxsize=None)

@@ -191,4 +191,8 @@ PLANTS = [
           old="            self.free_rows.append(self.entries.pop(h))\n",
           new="            self.entries.pop(h)\n",
           expect="行没有还回 free_rows"),
+    Plant("old_snapshot_gone", "丢旧快照前没有确认它还在表里",
+          old="            if old is not None and old != h and old in self.entries:\n",
+          new="            if old is not None and old != h:\n",
+          expect="丢旧快照前没有确认它还在表里"),
 ]
