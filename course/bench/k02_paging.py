@@ -17,13 +17,14 @@ import glob
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from ..grader import select
-from .common import command_line, machine_info, time_cycled
+from .common import machine_info, time_cycled
 
 REFERENCE = select.ROOT / "solutions" / "k02_paged_attention.py"
 SHAPES = ((8, 1024), (16, 512), (64, 128))        # sequences x length: 8k tokens, as ./check.sh bench k02
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("python -m course.bench.k02_paging：需要 GPU（CUDA）。")
         return 1
-    result = dict(command=command_line(["python", "-m", "course.bench.k02_paging", *argv]), machine=machine_info(),
+    result = dict(command=shlex.join(["python", "-m", "course.bench.k02_paging", *argv]), machine=machine_info(),
                   reference=str(REFERENCE.relative_to(select.ROOT)), variants={}, rows=[], ttgir=[])
     with tempfile.TemporaryDirectory() as tmp:
         for name in opts.variants:
