@@ -228,6 +228,39 @@ def test_parse_request_fields():
                                                         "chat": True}, body,
             {"params.max_tokens": "chat 的 max_completion_tokens 被忽略了（它是 OpenAI 现在的名字，优先于 max_tokens）",
              "prompt_ids": "chat 的 prompt 应是 apply_chat_template(messages, tokenize=False, add_generation_prompt=True) 再编码"})
+    # exactly at every bound: 4 stop strings, one of MAX_STOP_CHARS characters, MAX_STOP_TOKEN_IDS ids, a message
+    # with every allowed key (role, content, name)
+    stops = [_text(r, 1) + str(i) for i in range(m.MAX_STOP - 1)] + ["x" * m.MAX_STOP_CHARS]
+    ids_bound = list(range(m.MAX_STOP_TOKEN_IDS))
+    body = {"model": MODEL, "prompt": text, "stop": stops, "stop_token_ids": ids_bound}
+    _fields(_parsed(m, body, False, tok, max_model_len), {"stop": stops, "params.stop_token_ids": set(ids_bound)},
+            body, {"stop": f"上限是“最多”：恰好 {m.MAX_STOP} 个 stop、恰好 {m.MAX_STOP_CHARS} 个字符的 stop 都合法"})
+    named = [{"role": "user", "content": _text(r, 3), "name": "u1"}]
+    _parsed(m, {"model": MODEL, "messages": named}, True, tok, max_model_len)
+    # a prompt of token ids holds ints only: a bool or a float among them is a 400 naming the prompt
+    for bad in ([ids[0], True], [ids[0], 2.5]):
+        try:
+            m.parse_request({"model": MODEL, "prompt": bad}, False, tok, MODEL, max_model_len)
+        except m.RequestError as exc:
+            assert exc.param == "prompt", f"prompt={bad!r} 的错误应点名 prompt，得到 param={exc.param!r}"
+        else:
+            raise AssertionError(f"prompt={bad!r}（token id 里混了 {type(bad[1]).__name__}）应得到 400，却被收下了；"
+                                 f"token id 只能是 int（bool 是 int 的子类，要单独排除）")
+
+    class Refusing:                                           # a chat template that raises (role order, ...)
+        chat_template = "refuses"
+
+        def apply_chat_template(self, *args, **kwargs):
+            raise ValueError("Conversation roles must alternate user/assistant/user/assistant/...")
+
+        def __getattr__(self, name):
+            return getattr(tok, name)
+    try:
+        m.parse_request({"model": MODEL, "messages": messages}, True, Refusing(), MODEL, max_model_len)
+    except m.RequestError as exc:
+        assert exc.param == "messages", f"chat 模板拒绝 messages 时错误应点名 messages，得到 param={exc.param!r}"
+    else:
+        raise AssertionError("chat 模板抛异常（例如角色顺序不对）时 parse_request 应转成 RequestError（400，点名 messages）")
 
 
 def _card_deltas(tok, ids: list[int], stops: list[str], hold: int, first_listed: bool = False
@@ -259,8 +292,9 @@ def test_text_stream_stops():
     short = text[q:q + 2]
     o = r.int(3, 12)                                          # Ω and the 3 characters ending in it complete together
     both = text[:o] + "Ω" + text[o + 1:]
+    head = next(j for j in range(2, 5) if "\ufffd" not in text[:j] and text[:j] not in text[1:])  # only at 0
     cases = [(text, [short, long_stop]), (text, [long_stop, short]), (text, [long_stop]),
-             (both, ["Ω", both[o - 2:o + 1], long_stop])]
+             (both, ["Ω", both[o - 2:o + 1], long_stop]), (text, [long_stop, text[:head]])]   # a stop at position 0
     for text, stops in cases:
         ids = tok.encode(text)
         stream = m.TextStream(tok, stops)
@@ -681,6 +715,10 @@ def test_openai_client_matches_generate():
                     first = chunks[0].choices[0].delta if chunks[0].choices else None
                     assert first is not None and first.role == "assistant" and not first.content, \
                         f"chat 的流应先发一帧只带 role 的 delta {{'role': 'assistant', 'content': ''}}，得到 {chunks[0]}"
+                indices = {ch.index for c in chunks for ch in c.choices}
+                assert indices == {0}, f"{what}：n = 1 时每个 chunk 的 choices[].index 都应是 0，得到 {sorted(indices)}"
+                early = [c for c in chunks[:-1] if c.usage is not None]
+                assert not early, f"{what}：usage 只在最后一个 chunk 里（include_usage 时），前面的 chunk 不带 usage：{early[0]}"
                 finals = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
                 assert len(finals) == 1, f"{what}：应有且只有一个带 finish_reason 的 chunk，得到 {len(finals)} 个"
                 pieces = [(c.choices[0].delta.content or "") if chat else c.choices[0].text for c in chunks if c.choices]
@@ -777,6 +815,48 @@ def test_disconnect_aborts():
         assert h["pending"] == 0, f"{what}它们仍计在 pending 里：{h}"
         assert h.get("gdn_free_slots", 0) == h.get("gdn_slots", 0), f"{what}GDN 状态槽位没有全部归还：{h}"
     assert "gdn_slots" in h, f"混合模型的 /health 应报告 GDN 槽位（AsyncEngine.stats）：{h}"
+    _leave_before_accept(impl(MODULE))
+
+
+def _leave_before_accept(m) -> None:
+    """A client that leaves while the engine thread is still taking its request (add_request held for a moment):
+    its add() is cancelled, so add itself must release the slot, and the request is aborted once the engine has it."""
+    llm = _e05_llm(max_num_seqs=2, num_kvcache_blocks=16)
+    taking, go = threading.Event(), threading.Event()
+    add_request = llm.add_request
+
+    def slow_add(*args, **kwargs):
+        taking.set()
+        go.wait(10)
+        return add_request(*args, **kwargs)
+    llm.add_request = slow_add
+    engine = m.AsyncEngine(llm, max_pending=4)
+    params = impl("e01_sampling").SamplingParams(max_tokens=400, ignore_eos=True)
+
+    async def scenario():
+        task = asyncio.ensure_future(engine.add([1, 2, 3], params))
+        while not taking.is_set():
+            await asyncio.sleep(0.005)
+        task.cancel()                                       # the client is gone before the engine answered
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        go.set()
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if not llm.has_unfinished():
+                break
+        return engine.pending, llm.has_unfinished()
+    engine.start()
+    try:
+        pending, unfinished = asyncio.run(asyncio.wait_for(scenario(), 15))
+    finally:
+        go.set()
+        engine.shutdown()
+    assert pending == 0, (f"客户端在引擎线程收下请求之前断开（add 里 await 的那一刻被取消）后 pending = {pending}：add 被取消时"
+                          f"自己没有 release，这个名额永远占着（except asyncio.CancelledError: release 再 raise）")
+    assert not unfinished, "客户端在引擎收下请求之前断开后，引擎收下它时应把它 abort，它却一直算到 max_tokens"
 
 
 @point("超过队列上限的突发请求得到 503 + Retry-After，收下的请求全部完成，之后服务照常")
