@@ -9,6 +9,7 @@ import pytest
 
 from checks.plants import plants_for
 from course.grader import registry
+from course.grader.forkserver import ForkServer
 from course.grader.grade import run_checks
 
 import torch
@@ -45,9 +46,18 @@ def _graded(ex):
         # on a GPU every g01 grading builds models of real width on the one device (~17-21 GiB each): as many at
         # once as there are cores ran the H200 out of memory (2026-12-01, 16 cores); two fit
         workers = 2 if CUDA and ex.needs_gpu else max(1, os.cpu_count() or 1)
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            futures = {key: pool.submit(run_checks, ex, sel, stop_when=stops.get(key)) for key, sel in jobs.items()}
-            _GRADES[ex.id] = {key: f.result() for key, f in futures.items()} | broken
+        # every grading forks from one process that imported torch and transformers once (the mutation command's
+        # fork server: a fresh `python -m pytest` spends ~4-6 s of a 2-core machine on those imports alone);
+        # COURSE_SELFTEST_FORK=0 starts each grading as a fresh process instead
+        server = ForkServer(ex.checks) if os.environ.get("COURSE_SELFTEST_FORK", "1") != "0" else None
+        try:
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                futures = {key: pool.submit(run_checks, ex, sel, stop_when=stops.get(key),
+                                            spawn=server.spawn if server else None) for key, sel in jobs.items()}
+                _GRADES[ex.id] = {key: f.result() for key, f in futures.items()} | broken
+        finally:
+            if server:
+                server.close()
     return _GRADES[ex.id]
 
 
