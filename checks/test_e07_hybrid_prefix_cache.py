@@ -906,6 +906,17 @@ def test_computed_blocks():
                              f"也不该还在 wanted 里（得到 {sorted(set(old) & bm.wanted)}）；{r}\n  看起来像易错点：{STALE}")
 
 
+def _two_sharing(e02, r: Rand, s: int, bs: int):
+    """A prefix of s full blocks and two sequences that share it and then go on far longer (neither waits for the
+    other); the chained hashes of the prefix's blocks."""
+    system = r.randint(1, 31, (s * bs,)).tolist()
+    a, b = (_seq(e02, system + r.randint(32, 63, (2 * s * bs + r.int(1, bs),)).tolist(), bs) for _ in range(2))
+    hashes = []
+    for i in range(s):
+        hashes.append(e02.compute_block_hash(system[i * bs:(i + 1) * bs], hashes[-1] if hashes else -1))
+    return system, a, b, hashes
+
+
 @point(COMPUTED_POINT)
 def test_registration_follows_computed():
     r = Rand()
@@ -913,12 +924,7 @@ def test_registration_follows_computed():
     s = r.int(3, 4)
     u = r.int(1, s - 1)
     m, e02, pool, cache, bm = _parts(r, 64, 8, bs)
-    system = r.randint(1, 31, (s * bs,)).tolist()
-    tail = lambda: r.randint(32, 63, (2 * s * bs + r.int(1, bs),)).tolist()   # noqa: E731  (too long to wait for)
-    a, b = _seq(e02, system + tail(), bs), _seq(e02, system + tail(), bs)
-    hashes = []
-    for i in range(s):
-        hashes.append(e02.compute_block_hash(system[i * bs:(i + 1) * bs], hashes[-1] if hashes else -1))
+    system, a, b, hashes = _two_sharing(e02, r, s, bs)
     # a and b admitted in the same step (b's shared part is short: it does not wait); a computes the prefix, b less
     bm.allocate(a)
     pool.allocate(a)
@@ -954,7 +960,6 @@ def test_registration_follows_computed():
                              f"{want[u:]}），得到 {reg}；{r}\n  看起来像易错点：{SHADOWED}")
 
 
-
 @point(COMPUTED_POINT)
 def test_registration_survives_a_preempted_owner():
     r = Rand()
@@ -974,12 +979,7 @@ def test_registration_survives_a_preempted_owner():
     old.num_cached_tokens, old.num_scheduled_tokens = 2 * bs, 0
     bm.deallocate(held)
     bm.deallocate(old)
-    system = r.randint(1, 31, (s * bs,)).tolist()
-    tail = lambda: r.randint(32, 63, (2 * s * bs + r.int(1, bs),)).tolist()   # noqa: E731  (too long to wait for)
-    a, b = _seq(e02, system + tail(), bs), _seq(e02, system + tail(), bs)
-    hashes = []
-    for i in range(s):
-        hashes.append(e02.compute_block_hash(system[i * bs:(i + 1) * bs], hashes[-1] if hashes else -1))
+    system, a, b, hashes = _two_sharing(e02, r, s, bs)
     bm.allocate(a)                                           # a and b admitted in the same step, neither computed
     reg = [bm.hash_to_block_id.get(h) for h in hashes]
     if reg != a.block_table[:s]:
