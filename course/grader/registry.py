@@ -106,7 +106,7 @@ CATALOGUE: list[Exercise] = [
     Exercise("k03", "fused_moe", "Triton：fused MoE（对齐到 expert block 的 grouped GEMM）", 120, "难"),
     Exercise("k04", "gdn_kernels", "Triton：Gated DeltaNet 的递推 decode 与分块 prefill kernel", 150, "难"),
     Exercise("g01", "gpu_engine", "GPU 总装：decode 的 CUDA graphs、端到端校验与 benchmark", 120, "难", needs_gpu=True),
-    Exercise("e07", "hybrid_prefix_cache", "混合模型的 prefix caching：Gated DeltaNet 状态快照", 180, "难"),
+    Exercise("e07", "hybrid_prefix_cache", "混合模型的 prefix caching：Gated DeltaNet 状态快照", 90, "难"),
 ]
 
 BY_ID = {e.id: e for e in CATALOGUE}
