@@ -212,7 +212,8 @@ def test_bad_input_is_isolated():
     folder, prompts, refs = _case("qwen3", r.seed)
     llm = m.LLM(str(folder), max_model_len=64)
     good = _greedy(e01)
-    batch = [prompts[0], [], list(range(1, 70)), [5, 80, 3, 95], prompts[1], [7, -1, 2]]
+    vocab = 80                                 # _case's models; the first bad id is exactly vocab_size, then one beyond
+    batch = [prompts[0], [], list(range(1, 70)), [5, vocab, 3, vocab + 15], prompts[1], [7, -1, 2]]
     params = [good] * len(batch)
     stderr = io.StringIO()
     with _engine("坏输入的 generate"), contextlib.redirect_stderr(stderr):
@@ -223,7 +224,11 @@ def test_bad_input_is_isolated():
             f"坏请求 {i}（prompt {batch[i] if len(batch[i]) < 8 else '…'}）的错误信息应提到 {needle!r}，得到 {outs[i].error!r}"
             + ("（-1 也不在 [0, vocab_size) 里：只查了上界？）" if i == 5 else ""))
         assert outs[i].token_ids == [], f"坏请求 {i} 不应产生 token"
-    assert "80" in outs[3].error, f"prompt [5, 80, 3, 95] 的错误信息应写出第一个越界的 id 80，得到 {outs[3].error!r}"
+    named = re.sub(r"\[\s*0\s*,\s*\d+\s*\)", "", outs[3].error)          # without the range "[0, 80)" itself
+    assert re.search(rf"(?<!\d){vocab}(?!\d)", named), (
+        f"prompt {batch[3]} 的错误信息应写出第一个越界的 id {vocab}（= vocab_size：词表是 [0, {vocab})，{vocab} 已经越界），"
+        f"得到 {outs[3].error!r}" + ("；只报了后面的 " + str(vocab + 15) + "：上界写成了 <= vocab_size？"
+                                  if str(vocab + 15) in named else ""))
     assert not re.search(r"\d+%\|", stderr.getvalue()), \
         f"generate(use_tqdm=False)（默认）不应画进度条，stderr 里却有：{stderr.getvalue()[-200:]!r}"
     with _engine("非法采样参数的 generate"):
