@@ -1,5 +1,6 @@
 """Figures of Track E and the opening chapter: a request's life, paged KV, scheduler, batching timeline, the sampling
-filters, one step's packed batch, the engine step, a streaming request through the server."""
+filters, one step's packed batch, the engine step, a streaming request through the server, the wait rule of the hybrid
+prefix cache."""
 
 from __future__ import annotations
 
@@ -305,3 +306,63 @@ def serving_request() -> Svg:
 
 FIGURES.update({"sampling-filters": sampling_filters, "batch-layout": batch_layout, "engine-step": engine_step,
                 "serving-request": serving_request})
+
+
+def wait_rule_timeline() -> Svg:
+    """E.7: the wait rule over two steps: A stops at the branch point and snapshots, B and C wait, then restore."""
+    P, shared, n = 16, 992, 1100                     # the card's walk-through: 62 blocks of P, 1100 tokens each
+    s = Svg(760, 348, "等待规则：共享前缀只算一遍")
+    s.text(380, 22, f"A、B、C 同一步到达，各 {n} 个 token，共享 1000 个 token 的 system prompt；"
+           f"P = {P}，分叉点 {shared} = {shared // P} 块", size=12, weight="bold")
+    legend = [(C["hot"], False, "本步计算"), (C["kv"], False, "KV 已算好（前一步算的 / 命中）"),
+              (C["gdn"], False, "GDN 状态快照"), (C["free"], True, "还没算")]
+    for lx, (fill, dash, label) in zip((120, 226, 430, 556), legend):
+        s.rect(lx, 36, 18, 12, fill=fill, rx=2, dash=dash)
+        s.text(lx + 24, 46, label, size=10.5, anchor="start", color="#333")
+    x0s, bw, y0, rh = (70, 416), 250, 92, 70
+    scale = bw / n
+
+    def xs(x0, t):                                   # token position -> x in the column starting at x0
+        return x0 + t * scale
+
+    for i, x0 in enumerate(x0s):
+        s.text(x0 + bw / 2, y0 - 14, f"第 {i + 1} 步", size=12, weight="bold")
+    # per (step, request): segments (a, b, kind, label), snapshot marker label, note under the bar, first token
+    rows = {
+        (0, "A"): ([(0, shared, "hot", f"算 [0, {shared})"), (shared, n, "free", "")], "拍 h₆₁",
+                   f"B 在等 → branch_point(A) = {shared}，切在 {shared}", False),
+        (0, "B"): ([(0, n, "free", "等一步")], None,
+                   f"raw = A 刚登记的 {shared // P} 块、没算好；2·{shared} ≥ {n}", False),
+        (0, "C"): ([(0, n, "free", "等一步")], None, "接纳停在 B（FCFS），C 排在后面", False),
+        (1, "A"): ([(0, shared, "kv", "第 1 步算好"), (shared, n, "hot", "")], None,
+                   f"接着算 [{shared}, {n})：{n - shared} 个 token", True),
+        (1, "B"): ([(0, shared, "kv", f"命中 {shared // P} 块"), (shared, n, "hot", "")], "恢复 h₆₁",
+                   f"num_cached_tokens = {shared}，只算 {n - shared} 个", True),
+        (1, "C"): ([(0, shared, "kv", f"命中 {shared // P} 块"), (shared, n, "hot", "")], "恢复 h₆₁",
+                   f"同 B：从 {shared} 的快照开始，算 {n - shared} 个", True),
+    }
+    for r, name in enumerate("ABC"):
+        y = y0 + r * rh
+        s.text(40, y + 20, name, size=13, weight="bold")
+        for step, x0 in enumerate(x0s):
+            segs, snap, note, first = rows[step, name]
+            for a, b, kind, label in segs:
+                s.box(xs(x0, a), y + 4, (b - a) * scale, 26, label, fill=C[kind], size=11, rx=2, dash=kind == "free")
+                if kind == "hot" and a == shared:
+                    s.text(xs(x0, (a + b) / 2) + 1.5, y + 21, str(b - a), size=10, mono=True)
+            if snap:
+                s.rect(xs(x0, shared) - 3, y, 6, 34, fill=C["gdn"], rx=1)
+                s.text(xs(x0, shared), y - 4, snap, size=10, color="#333")
+            s.text(x0, y + 48, note, size=10.5, anchor="start", color="#444")
+            if first:
+                s.text(x0 + bw + 8, y + 21, "✓ 首 token", size=10, anchor="start", color="#2a7")
+    s.line([(408, y0 - 24), (408, y0 + 3 * rh - 8)], arrow=False, dash=True, color="#999")
+    y = y0 + 3 * rh + 12
+    s.text(380, y, f"第 1 步只算 A 的 {shared} 个 token：B 的 can_allocate 返回 False，wanted = {{A 的第 {shared // P - 1} 块}}；"
+           f"第 2 步三条各算 {n - shared} 个，都在这一步出首 token", size=11)
+    s.text(380, y + 20, f"system prompt 只算一遍，代价是 A 的首 token 晚一步；B、C 不等也要在 {shared} 切开、第 2 步才出首 token，"
+           "还多算两遍 system prompt", size=11, color="#a33")
+    return s
+
+
+FIGURES.update({"wait-rule-timeline": wait_rule_timeline})
