@@ -1001,6 +1001,7 @@ def test_registration_survives_a_preempted_owner():
     assert c.num_cached_tokens == u * bs, \
         f"c 以同样的 {s} 块开头，b 在 {u * bs} 拍了快照：应从那里恢复，得到 num_cached_tokens {c.num_cached_tokens}；{r}"
 
+
 @point("capture / restore：算到 block 边界才拍、挂在结束处那一块的哈希上；decode 也拍，但每条序列在 prompt 之后只留最新一份；命中截到最后一个有快照的块；恢复的 conv 与 recurrent 状态逐元素相等")
 def test_restore_without_snapshot_raises():
     r = Rand()
@@ -1019,7 +1020,6 @@ def test_restore_without_snapshot_raises():
         return
     raise AssertionError(f"a 的 num_cached_tokens = {a.num_cached_tokens}，但表里没有第 {a.num_cached_tokens // bs - 1} 块哈希的"
                          f"快照：restore 应抛 RuntimeError，得到返回槽位 {slot!r}；{r}\n  看起来像易错点：{RESTORE_ZERO}")
-
 
 
 @point("预算与 LRU：快照数不超过 num_snapshots，满了逐出最久未用的；命中刷新 LRU 顺序")
