@@ -228,7 +228,11 @@ def test_bf16_graphs_equal_eager():
                                            "（形状相同，应该逐位相同）；看起来像易错点：replay 读到了旧的静态 buffer")
         # prefill logits against HF: ours in bf16 may be 3x as far from HF fp32 as HF's own bf16 run is, + 5 % of the
         # scale. HF's torch GDN path does its chunk matmuls in fp32; k04 (like fla) feeds bf16 operands to the tensor
-        # cores with fp32 accumulation: measured on an H200, qwen3_5_moe_text 1.62 vs HF bf16 0.595 (scale 5.2)
+        # cores with fp32 accumulation: measured on an H200, qwen3_5_moe_text 1.62 vs HF bf16 0.595 (scale 5.2).
+        # Compared per position at the 90th percentile, not at the max: in bf16 a token whose router scores nearly tie
+        # may pick another expert than HF's bf16 run does, and that one position then differs by a large part of the
+        # scale (seen on one seed in 2026-12: max 0.895 vs HF bf16 0.15, while the other seeds passed). A systematic
+        # error (an accumulator in bf16, a missing scale) moves every position, so the percentile still catches it.
         hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)
         prompt = prompts[0]
         seq = e02.Sequence(prompt)
@@ -241,13 +245,16 @@ def test_bf16_graphs_equal_eager():
             ids = torch.tensor([prompt], device="cuda")
             ref32, ref16 = ((o.logits if hasattr(o, "logits") else o)[0].float() for o in (hf(ids), hf_bf16(ids)))
         llm.runner.release(seq)
-        err, hf_err = (ours - ref32).abs().max().item(), (ref16 - ref32).abs().max().item()
+        per_pos, hf_per_pos = (ours - ref32).abs().amax(-1), (ref16 - ref32).abs().amax(-1)   # [T] each
+        err, hf_err = per_pos.quantile(0.9).item(), hf_per_pos.quantile(0.9).item()
         scale = ref32.abs().max().item()
-        assert err <= 3 * hf_err + 0.05 * scale, (f"{family}：bf16 的 prefill logits 离 HF fp32 {err:.3g}，而 HF 自己的 bf16 "
-                                                   f"只差 {hf_err:.3g}（允许 3 倍 + 5% 量级 {scale:.3g}）")
+        assert err <= 3 * hf_err + 0.05 * scale, (f"{family}：bf16 的 prefill logits 离 HF fp32（按位置取 90% 分位）{err:.3g}，"
+                                                   f"而 HF 自己的 bf16 只差 {hf_err:.3g}（允许 3 倍 + 5% 量级 {scale:.3g}）："
+                                                   "大多数位置都偏了，是系统误差（例如 bf16 累加、漏乘的 scale），不是个别 token 选了别的 expert")
         agree = sum(a == b for o, rf in zip(outs[False][:len(refs)], refs) for a, b in zip(o, rf))
         print(f"{family}: bf16 vs HF fp32 greedy agreement {agree}/{sum(len(x) for x in refs)} tokens; "
-              f"max |Δlogit| vs HF fp32: ours bf16 {err:.3g}, HF bf16 {hf_err:.3g}")
+              f"|Δlogit| vs HF fp32 (90th percentile over positions / max): ours bf16 {err:.3g} / "
+              f"{per_pos.max().item():.3g}, HF bf16 {hf_err:.3g} / {hf_per_pos.max().item():.3g}")
 
 
 @point("GPU 上 prefix cache 命中、chunked prefill、300+ 请求的小 KV 池压力测试与不受限运行逐 token 一致，block 与 GDN 槽位全部归还")
