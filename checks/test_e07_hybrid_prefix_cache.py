@@ -39,25 +39,27 @@ DECODE_ALL = ("同一条序列在 prompt 之后拍的旧快照没有丢：每 P 
 OFF_BY_ONE = "快照挂错了块：边界 j·P 处的状态属于第 j-1 块（block_table[end // P - 1] 的哈希），不是第 j 块"
 NO_CONV = "restore 只恢复了 recurrent state（ssm），没有恢复 conv state"
 NO_SSM = "restore 只恢复了 conv state，没有恢复 recurrent state（ssm）"
-NO_TOUCH = "命中后没有把快照移到 LRU 队尾（move_to_end）：最常用的 system prompt 快照会最先被逐出"
-EVICT_NEWEST = "预算满时逐出了最新的快照（popitem(last=True)），而不是最久未用的（队首）"
+NO_TOUCH = "命中后这份快照没有成为最近用过的（LRU 顺序没刷新）：LRU 退化成先进先出，最常用的 system prompt 快照会最先被逐出"
+EVICT_NEWEST = "预算满时逐出了最新的快照，而不是最久未用的那份：刚拍的、最可能马上用到的快照先没了"
 NO_SLOT = "restore 没有先 pool.allocate(seq)：状态拷进了别人的槽位，序列自己从零状态开始"
 NO_PURGE = ("快照库满时没有先 purge 就逐出了 LRU 队首：KV 已不在缓存里的快照再也够不着，却留着它们、扔掉了一份还能命中的"
             "（_take_row：free_rows 空了先 purge，还没有空行才逐出队首）")
 ROW_LEAK = ("被替换（或被 purge）的快照，行没有还回 free_rows：这一行既不在 entries 里也不在 free_rows 里，再也用不上，"
             "预算一次少一份")
-RECAPTURE = ("重拍一个已有快照的哈希时没有复用它那一行、移到 LRU 队尾：已有条目要 entries.pop(h) 取出它的行、拷完再放回"
-             "（entries[h] = row 不会改变已有键的位置）")
+RECAPTURE = ("重拍一个已有快照的哈希时没有复用它那一行、移到 LRU 队尾：同一前缀的状态相同，新的一份应占原来那一行、"
+             "成为最近用过的；另取一行会白白逐出别人的快照，留在原位则刚用过的它排在队首先被逐出")
 TAKE_FIRST = ("先拿新行、再丢这条序列自己的旧快照：库满时 _take_row 逐出了别人的快照，随后自己的旧快照又丢掉，白白少一份"
               "（旧快照要在 _take_row 之前丢，行还回 free_rows）")
-PROMPT_END = ("恰好落在 block 边界上的 prompt 末尾也算成了 prompt 之后（end >= num_prompt_tokens）：这份快照是 prompt 里的、"
-              "可被别的请求共用，不该被 decode 的新快照替换（应为 end > num_prompt_tokens）")
+PROMPT_END = ("恰好落在 block 边界上的 prompt 末尾也算成了 prompt 之后：这份快照读完的只是 prompt，可被以同一段 prompt "
+              "开头的请求共用，不该被 decode 的新快照替换；只有读过回答（prompt 之后的 token）的快照才按“每条序列一份”记账")
 PAST_PROMPT = ("用“生成过 token”或“这一步只算 1 个 token”判断 prompt 之后：被抢占后重算的序列，prompt 里的 chunk 和回答里的 "
-               "chunk 都是多 token 的，序列也早就生成过 token；应看本步算到的 end > num_prompt_tokens")
+               "chunk 都是多 token 的，序列也早就生成过 token；要看的是这份快照读到了哪里：读过 prompt 之后的 token 才算")
 BY_POSITION = "lookup 按位置下标查 computed（computed[i] 而不是 computed[hits[i]]）：命中串里放的是 block id，不是位置"
 LAST_ONLY = "lookup 只检查了快照所在那一块算好没有：hits[:n] 的每一块都要算好，中间有一块没算好，后面的快照就都不能用"
 SHORTEST = "lookup 返回了最短的命中（从 n = 1 往上找）：应从最长的往下找，返回第一个有快照的 n"
 CONSUMES = "restore 把快照从表里拿走了：同一份快照要能被好几条请求恢复，restore 只拷贝，不动 entries"
+RESTORE_TOUCH = ("restore 改动了 LRU 顺序：这次命中在接纳时（lookup）已经算作一次使用、刷新过了；restore 只拷贝，"
+                 "entries 的内容和顺序都不动")
 NO_COUNT = "capture 拍了快照却没有给 num_captured 加 1（stats 的 snapshots_captured）"
 NO_SNAPSHOT_AT_RESTORE = ("恢复时表里没有这条序列命中位置上的快照：接纳时 lookup 说那里有快照，restore 时却找不到。lookup "
                           "给出的命中要以有快照的块结尾，快照也要留到 restore 之后（restore 只拷贝）；前面 capture / "
@@ -402,6 +404,8 @@ def test_lookup_longest_computed_hit():
         bm.allocate(other)
         assert other.num_cached_tokens == s2 * bs, \
             f"{name} 与 a 共享前 {n} 块，可用命中是 {s2} 块：num_cached_tokens 应为 {s2 * bs}，得到 {other.num_cached_tokens}；{r}"
+        cache.lookup(hits[:s1])                             # another request admitted in the same step hit s1
+        before = list(cache.entries.items())
         with explain_crash({"slot_of": NO_SLOT}):
             slot = cache.restore(other, pool)
         if cache.entries.get(keys[s2]) != row:
@@ -409,6 +413,11 @@ def test_lookup_longest_computed_hit():
             raise AssertionError(f"{name} 从 hits[:{s2}] 的快照恢复之后，这份快照应还在表里、还在第 {row} 行，"
                                  f"得到{'它不在表里' if gone else f'它在第 {cache.entries[keys[s2]]} 行'}；{r}"
                                  + (f"\n  看起来像易错点：{CONSUMES}" if gone else ""))
+        if list(cache.entries.items()) != before:
+            where_of = {h: s * bs for s, h in keys.items()}
+            was, got = ([where_of.get(h, "?") for h, _ in items] for items in (before, cache.entries.items()))
+            raise AssertionError(f"{name} 恢复前 entries 按 LRU 从旧到新是边界 {was} 的快照，restore 之后变成 {got}；{r}"
+                                 f"\n  看起来像易错点：{RESTORE_TOUCH}")
         _check_restored(pool, slot, states[s2], f"{name} 恢复后（应是 a 算到 {s2 * bs} 时的状态）", r)
     assert cache.stats["snapshot_hits"] == 2 and cache.stats["prefill_tokens_saved"] == 2 * s2 * bs, \
         f"两次恢复、各省 {s2 * bs} 个 prefill token，stats 应记下：{cache.stats}；{r}"
@@ -740,10 +749,10 @@ def test_own_old_snapshot_goes_first():
 
 
 # ----------------------------------------------------------------------------- waiting, branch points, computed
-WAIT_POINT = ("等待与分叉点：原始 KV 命中串末块还没算好、且占未缓存 token 至少一半时不接纳、末块记进 wanted；"
-              "branch_point 给出第一块 wanted 的末尾，否则接纳时命中串的长度")
-COMPUTED_POINT = ("computed 与登记：写过 KV 的满块才算好；分给新主人的块不算好、不再被等；"
-                  "同一内容有几份拷贝时，登记指向算好的那份")
+WAIT_POINT = ("等待与分叉点：共享前缀正被别人这一步算着、等来的至少占要算的一半时不接纳，并让算它的一方知道停在哪；"
+              "等不来或不值得等时照常接纳；branch_point 给出下一段该停的分叉点")
+COMPUTED_POINT = ("computed 与登记：写满 KV 的块才算好；换了主人的块不算好、不再被等；"
+                  "同一内容有算好的拷贝时，登记指向算好的那份")
 
 
 def _wait_predictions(raw: int, usable: int, last_computed: bool, num_tokens: int, bs: int) -> dict[str, bool]:
@@ -758,11 +767,11 @@ def _wait_predictions(raw: int, usable: int, last_computed: bool, num_tokens: in
 
 
 WAIT_MISTAKES = {
-    "never": ("从来不等：判断用的 KV 命中串是截到有快照处的（self._cached_prefix / lookup 之后），它的末块总是算好的；"
-              "等待规则看的是 e02 的原始命中串 super()._cached_prefix(seq)"),
-    "strict": "共享部分正好占未缓存 token 一半时没有等：规则是 2·(len(raw) − usable)·P ≥ num_tokens − usable·P（≥，不是 >）",
-    "whole": ("门槛没有扣掉可用命中：比的是 2·len(raw)·P ≥ num_tokens，应比可用命中之后的部分："
-              "2·(len(raw) − usable)·P ≥ num_tokens − usable·P"),
+    "never": ("从来不等：判断用的 KV 命中串是截到可用命中处的，它的末块总是算好的，看不出有人正在算；"
+              "要看 e02 的原始命中串（已登记的块，算好没算好都在里面）"),
+    "strict": ("等来的 token 正好是它要算的 token 的一半时没有等：值得等的门槛含正好一半"),
+    "whole": ("门槛没有扣掉可用命中：已经能从快照恢复的那一段既不是等来的、也不用算，"
+              "比的应是可用命中之后的部分（等来的 vs 要算的）"),
     "computed_too": "命中串末块已经算好了还在等：那一块没有人会再算、也不会再拍快照，请求会一直等下去",
 }
 
