@@ -5,26 +5,20 @@ needs the *state* after the prefix: the conv state [C, K-1] and the recurrent st
 linear layer. So at block boundaries the engine copies a sequence's GDN state into a snapshot cache keyed
 by the chained hash (e02) of the block that ends there; a request whose prefix reaches such a block copies
 the snapshot into its fresh pool slot (e04) and prefills from there, reusing the KV blocks as before.
-The rules, in the words of the card's 定义 table (P = block_size):
 
-    snapshot  after a step that computed t[c, e) with e % P == 0: the GDN state of t[0, e), keyed by the
-              hash of block e/P - 1 (it names every token of t[0, e)); prefill and decode alike.
-    computed  a block is computed when its KV has been written: not when e02 registers it (at admission),
-              but after the step whose tokens fill it; a block handed to a new owner is not computed.
-    hit       e02's KV hit run, cut back to its longest prefix hits[:n] whose blocks are all computed and
-              whose last block's hash has a snapshot: num_cached_tokens = n * P (0 if there is none).
-    wait      at admission: when the KV hit run ends in a block that is not computed (its owner computes it
-              in this step) and the run past the usable hit covers at least half of the request's uncached
-              tokens (2 * (len(raw) - usable) * P >= num_tokens - usable * P), the request is not admitted
-              this step and that block is wanted: its owner's chunk stops at the block's end (the branch
-              point) and snapshots there; next step the request resumes from that snapshot.
-    lifetime  at most num_snapshots entries, one row of the store each. A new snapshot takes a free row; when
-              there is none, purge frees the rows of entries whose hash is no longer a KV cache entry (they
-              can never be hit again); when there is still none, the least recently used entry is evicted.
-              A hit or a new snapshot makes its entry the most recently used. Past its prompt (e > num
-              prompt tokens) a sequence keeps one snapshot, its newest: the one before it leaves first.
-    restore   before the step, a copy of the snapshot into the slot pool.allocate(seq) gives (outside any
-              CUDA graph); no snapshot at the hit is a bug: RuntimeError, never a zero state.
+The terms and the goals are the card's (术语, 目标与约束); each task's docstring is its contract: what it is
+given, what it returns, what must hold afterwards. How to get there is the exercise. P = block_size.
+
+    snapshot    the GDN state after t[0, j*P), keyed by the chained hash of block j-1 (it names all of t[0, j*P)).
+    computed    a block whose KV holds all of its P tokens. e02 registers a full block's hash at admission,
+                before anything is computed; a block handed to a new owner holds someone else's old KV.
+    registered  the copy of a content that hash_to_block_id names; other copies only carry the hash.
+    raw hit     e02's KV hit run (super()._cached_prefix): registered blocks, computed or not.
+    usable hit  the leading part of it a request can resume from (lookup).
+    wanted      blocks a waiting request waits for: their owner stops its chunk at their end.
+
+Never: a hit on KV or state that was not computed; more snapshots than num_snapshots; a row of the store lost
+or in two places; a restore that goes on from a zero state.
 
 Lesson: lessons/e07_hybrid_prefix_cache.md (书 §E.7).
 """
@@ -44,10 +38,9 @@ from .e04_model_runner import GDNStatePool
 def chunk_end(start: int, end: int, num_tokens: int, block_size: int, shared_end: int = 0) -> int:
     """Where a prefill chunk [start, end) of a sequence of num_tokens tokens should stop: a value in (start, end].
 
-    shared_end: the branch point from HybridBlockManager.branch_point, a multiple of block_size or 0. The first
-    rule that applies: shared_end when start < shared_end < end; end when end == num_tokens (the prompt's last
-    chunk: its first token comes this step); the last block boundary b with start < b <= end (the budget ran
-    out); end itself when the chunk holds no such boundary (it is computed, no snapshot is taken).
+    shared_end: the branch point from HybridBlockManager.branch_point, a multiple of block_size or 0. The card's
+    four cases, first match wins: a branch point strictly inside the chunk; the prompt's last chunk (end ==
+    num_tokens); a chunk the budget cut short; a chunk with no block boundary to stop at.
     """
     if start < shared_end < end:
         return shared_end                                   # the branch point of a shared prefix
@@ -94,9 +87,9 @@ class StateCache:
             self.free_rows.append(self.entries.pop(h))
 
     def _take_row(self) -> int:
-        """A row of the store for a new snapshot, taken out of free_rows / entries: a free row if there is one;
-        else one that purge frees; else the row of the least recently used entry, which is evicted
-        (num_evicted += 1)."""
+        """A row of the store for a new snapshot, taken out of free_rows / entries (it is in neither afterwards).
+        An entry that can still be hit is evicted only when no row is free and none can be freed; then it is the
+        least recently used one, and num_evicted += 1."""
         if not self.free_rows:
             self.purge()
         if not self.free_rows:
@@ -106,9 +99,9 @@ class StateCache:
         return self.free_rows.pop()
 
     def lookup(self, hits: list[int]) -> int:
-        """How many of the leading KV hits (block ids, in order, from e02's _cached_prefix) can be used: the largest
-        n such that the blocks hits[:n] are all computed and the hash of block hits[n-1] has an entry (0 if none).
-        That entry becomes the most recently used."""
+        """How many of the leading KV hits (block ids, in order, from e02's _cached_prefix) the request can resume
+        from: the longest usable hit (card: 命中), 0 if there is none. The entry it resumes from counts as used:
+        afterwards it is the most recently used."""
         bm = self.block_manager
         computed = 0
         while computed < len(hits) and bm.computed[hits[computed]]:
@@ -122,13 +115,13 @@ class StateCache:
 
     def capture(self, seq: Sequence, pool: GDNStatePool) -> bool:
         """After a step (before postprocess), which computed t[c, e) of seq with c = num_cached_tokens and
-        e = c + num_scheduled_tokens: take a snapshot when e is a block boundary; returns whether one was taken.
+        e = c + num_scheduled_tokens: take a snapshot exactly when e is a block boundary; returns whether one was taken.
 
-        The snapshot is the state in seq's pool slot, under the hash h of block_table[e // P - 1]; afterwards
+        The snapshot is the state in seq's pool slot, under the hash h of the block that ends at e; afterwards
         entries[h] holds it and is the most recently used entry (an entry already under h keeps its row), and
-        num_captured has grown by 1. Past the prompt (e > num_prompt_tokens) newest[seq_id] = h, and seq's
-        previous snapshot past its prompt is gone from entries (its row free) before a row is taken: no other
-        entry is evicted while that row is there to use.
+        num_captured has grown by 1. A snapshot past the prompt (it has read tokens past num_prompt_tokens) is
+        recorded in newest[seq_id]: seq keeps one snapshot past its prompt, the newest, and no other entry is
+        evicted to make room for it while seq's previous one could give its row.
         """
         bm = self.block_manager
         end = seq.num_cached_tokens + seq.num_scheduled_tokens
@@ -151,9 +144,9 @@ class StateCache:
     def restore(self, seq: Sequence, pool: GDNStatePool) -> int:
         """seq was admitted from a hit, num_cached_tokens = n * P > 0: give it a pool slot (pool.allocate(seq))
         holding every conv and recurrent state of the snapshot under the hash of block_table[n - 1], and return
-        the slot. The snapshot stays in the store (others may resume from it too); num_restored += 1,
-        tokens_restored += num_cached_tokens. No snapshot under that hash: RuntimeError, raised before a slot is
-        taken (never a zero state)."""
+        the slot. entries is left as it is, content and LRU order (lookup counted the use at admission; others
+        may resume from it too); num_restored += 1, tokens_restored += num_cached_tokens. No snapshot under that
+        hash: RuntimeError, raised before a slot is taken (never a zero state)."""
         bm = self.block_manager
         h = bm.blocks[seq.block_table[seq.num_cached_tokens // bm.block_size - 1]].hash
         row = self.entries.get(h)
@@ -179,18 +172,19 @@ class HybridBlockManager(BlockManager):
         self.wanted: set[int] = set()                # blocks being computed that a waiting request waits for
 
     def _allocate_block(self) -> int:
-        """e02's allocation. The block goes to a new owner that has not run yet: from now on it is not computed,
-        and no waiting request waits for it (until its new owner's step, see mark_computed)."""
+        """e02's allocation. Afterwards the block belongs to a new owner that has not run yet: it is not
+        computed, and no waiting request waits for it."""
         block_id = super()._allocate_block()
         self.computed[block_id] = False               # a new owner: registered now, written by a later step
         self.wanted.discard(block_id)
         return block_id
 
     def can_allocate(self, seq: Sequence) -> bool:
-        """e02's answer, unless seq must wait for a prefix another request computes in this step. With raw = e02's
-        KV hit run (super()._cached_prefix: registered blocks, computed or not) and usable = the hit lookup
-        allows: seq waits when the last block of raw is not computed and 2 * (len(raw) - usable) * P >=
-        num_tokens - usable * P; then that block joins wanted and the answer is False."""
+        """Whether seq may be admitted now: False when e02 says so, or when seq should wait (card: 等). It
+        waits when a prefix it shares is being computed in this step by a request admitted before it, and waiting
+        pays: the tokens it would get by waiting are at least half of the tokens it would compute now (exactly
+        half included). A wait must be for something: when the answer is False because of it, the block whose
+        end the owner must stop at has joined wanted. It only answers: no block is allocated."""
         raw = super()._cached_prefix(seq)
         if raw and not self.computed[raw[-1]]:
             usable = self.state_cache.lookup(raw)                 # = len(self._cached_prefix(seq)), hashed once
@@ -200,8 +194,10 @@ class HybridBlockManager(BlockManager):
         return super().can_allocate(seq)
 
     def branch_point(self, seq: Sequence) -> int:
-        """The shared_end of seq's next prefill chunk (see chunk_end): the end of the first of seq's blocks, from
-        the one holding token num_cached_tokens on, that is in wanted; else shared_tokens[seq_id]; else 0."""
+        """The shared_end of seq's next prefill chunk (see chunk_end): the end of the first block that a
+        waiting request waits for, among the blocks seq has not finished (from the one holding token
+        num_cached_tokens on); without one, the tokens seq shared with the cache at admission (shared_tokens);
+        0 for a sequence never admitted."""
         start = seq.num_cached_tokens // self.block_size
         if self.wanted:
             for i in range(start, len(seq.block_table)):
@@ -210,8 +206,8 @@ class HybridBlockManager(BlockManager):
         return self.shared_tokens.get(seq.seq_id, 0)
 
     def _cache_block(self, block_id: int, h: int, token_ids: list[int]) -> None:
-        """e02's registration of a full block under hash h, except that a registered copy that is computed keeps
-        the registration: then the new block only carries the hash and tokens (blocks[block_id].hash = h)."""
+        """e02's registration of a full block under hash h, keeping the card's registration rule: a
+        registered copy that is computed stays registered; the new block then only carries h (and its tokens)."""
         old = self.hash_to_block_id.get(h, -1)
         if old != -1 and old != block_id and self.computed[old]:
             self.blocks[block_id].update(h, token_ids)
@@ -219,9 +215,12 @@ class HybridBlockManager(BlockManager):
         super()._cache_block(block_id, h, token_ids)
 
     def mark_computed(self, seq: Sequence) -> None:
-        """After a step (before postprocess): the blocks that seq's tokens t[0, num_cached_tokens +
-        num_scheduled_tokens) fill completely are computed, and nobody waits for them any more.
-        Such a block whose hash is registered to a copy that is not computed becomes the registered copy."""
+        """After a step (before postprocess) that computed t[c, e) of seq (c = num_cached_tokens,
+        e = c + num_scheduled_tokens): every block that t[0, e) fills is computed and nobody waits for it, and
+        the registration rule holds for its hash (a computed copy is registered when the registered one is
+        not). Both are accepted: walking the blocks from block 0 or from the one holding token c (those before
+        it are computed already); registering a block whose hash is registered nowhere (its registered copy
+        was evicted) or leaving it unregistered."""
         done = (seq.num_cached_tokens + seq.num_scheduled_tokens) // self.block_size
         for block_id in seq.block_table[seq.num_cached_tokens // self.block_size:done]:
             self.computed[block_id] = True
