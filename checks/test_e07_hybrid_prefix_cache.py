@@ -36,27 +36,28 @@ DECODE_NEVER = ("decode 走到 block 边界没有拍快照：下一轮对话以�
                 "重算整段回答")
 DECODE_ALL = ("同一条序列在 prompt 之后拍的旧快照没有丢：每 P 个 token 多一份、每份几十 MiB，很快挤掉有用的快照"
               "（prompt 之后每条序列只留最新的一份：newest[seq_id]）")
-OFF_BY_ONE = "快照挂错了块：边界 j·P 处的状态属于第 j-1 块（block_table[end // P - 1] 的哈希），不是第 j 块"
+OFF_BY_ONE = "快照挂错了块（挂到了下一块的哈希上）：边界 j·P 处的状态读完的是第 0..j-1 块，键是第 j-1 块的哈希，不是第 j 块的"
 NO_CONV = "restore 只恢复了 recurrent state（ssm），没有恢复 conv state"
 NO_SSM = "restore 只恢复了 conv state，没有恢复 recurrent state（ssm）"
 NO_TOUCH = "命中后这份快照没有成为最近用过的（LRU 顺序没刷新）：LRU 退化成先进先出，最常用的 system prompt 快照会最先被逐出"
 EVICT_NEWEST = "预算满时逐出了最新的快照，而不是最久未用的那份：刚拍的、最可能马上用到的快照先没了"
 NO_SLOT = "restore 没有先 pool.allocate(seq)：状态拷进了别人的槽位，序列自己从零状态开始"
 NO_PURGE = ("快照库满时没有先 purge 就逐出了 LRU 队首：KV 已不在缓存里的快照再也够不着，却留着它们、扔掉了一份还能命中的"
-            "（_take_row：free_rows 空了先 purge，还没有空行才逐出队首）")
+            "（要一行时：先用空行，再用够不着的快照的行，最后才逐出最久未用的）")
 ROW_LEAK = ("被替换（或被 purge）的快照，行没有还回 free_rows：这一行既不在 entries 里也不在 free_rows 里，再也用不上，"
             "预算一次少一份")
 RECAPTURE = ("重拍一个已有快照的哈希时没有复用它那一行、移到 LRU 队尾：同一前缀的状态相同，新的一份应占原来那一行、"
              "成为最近用过的；另取一行会白白逐出别人的快照，留在原位则刚用过的它排在队首先被逐出")
 TAKE_FIRST = ("先拿新行、再丢这条序列自己的旧快照：库满时 _take_row 逐出了别人的快照，随后自己的旧快照又丢掉，白白少一份"
-              "（旧快照要在 _take_row 之前丢，行还回 free_rows）")
+              "（它自己的旧快照反正要丢，那一行正好给新快照用，不必逐出任何别人的）")
 PROMPT_END = ("恰好落在 block 边界上的 prompt 末尾也算成了 prompt 之后：这份快照读完的只是 prompt，可被以同一段 prompt "
               "开头的请求共用，不该被 decode 的新快照替换；只有读过回答（prompt 之后的 token）的快照才按“每条序列一份”记账")
 PAST_PROMPT = ("用“生成过 token”或“这一步只算 1 个 token”判断 prompt 之后：被抢占后重算的序列，prompt 里的 chunk 和回答里的 "
                "chunk 都是多 token 的，序列也早就生成过 token；要看的是这份快照读到了哪里：读过 prompt 之后的 token 才算")
-BY_POSITION = "lookup 按位置下标查 computed（computed[i] 而不是 computed[hits[i]]）：命中串里放的是 block id，不是位置"
+BY_POSITION = ("lookup 把命中串的下标当成了 block id：查的是第 i 号 block 算好没有，而不是 hits[i] 那一块；命中串里放的是 "
+               "block id，不是块在序列里的位置")
 LAST_ONLY = "lookup 只检查了快照所在那一块算好没有：hits[:n] 的每一块都要算好，中间有一块没算好，后面的快照就都不能用"
-SHORTEST = "lookup 返回了最短的命中（从 n = 1 往上找）：应从最长的往下找，返回第一个有快照的 n"
+SHORTEST = "lookup 返回了最短的命中：几份快照竞争时要取最长的可用前缀，否则每一轮都从更早的快照开始、把后面重算一遍"
 CONSUMES = "restore 把快照从表里拿走了：同一份快照要能被好几条请求恢复，restore 只拷贝，不动 entries"
 RESTORE_TOUCH = ("restore 改动了 LRU 顺序：这次命中在接纳时（lookup）已经算作一次使用、刷新过了；restore 只拷贝，"
                  "entries 的内容和顺序都不动")
@@ -70,7 +71,7 @@ SHADOWED = ("没算好的拷贝顶掉了已算好的登记（_cache_block）：�
             "已算好的那份保持登记，新块只带上哈希")
 RESTORE_ZERO = "restore 找不到快照时悄悄从零状态（或随便一行）接着算：命中和快照不一致是 bug，要抛 RuntimeError"
 OLD_GONE = ("丢旧快照前没有确认它还在表里：newest 记着的上一份快照可能已被 LRU 逐出或被 purge 收走，"
-            "entries.pop(old) 就会 KeyError；先问 old in entries")
+            "它已经不在表里，就没有什么要丢的（也不会抛 KeyError）")
 NEW_TOKENS = 5
 
 
