@@ -332,7 +332,7 @@ def wait_rule_timeline() -> Svg:
         (0, "A"): ([(0, shared, "hot", f"算 [0, {shared})"), (shared, n, "free", "")], "拍 h₆₁",
                    f"B 在等 → branch_point(A) = {shared}，切在 {shared}", False),
         (0, "B"): ([(0, n, "free", "等一步")], None,
-                   f"raw = A 刚登记的 {shared // P} 块、没算好；2·{shared} ≥ {n}", False),
+                   f"要的 {shared // P} 块正被 A 算着；等来 {shared} 个，值得等", False),
         (0, "C"): ([(0, n, "free", "等一步")], None, "接纳停在 B（FCFS），C 排在后面", False),
         (1, "A"): ([(0, shared, "kv", "第 1 步算好"), (shared, n, "hot", "")], None,
                    f"接着算 [{shared}, {n})：{n - shared} 个 token", True),
