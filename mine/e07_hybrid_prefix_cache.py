@@ -87,9 +87,9 @@ class StateCache:
         raise NotImplementedError("e07: 请实现 StateCache._take_row（见 lessons/e07_hybrid_prefix_cache.md）")
 
     def lookup(self, hits: list[int]) -> int:
-        """How many of the leading KV hits (block ids, in order, from e02's _cached_prefix) the request can resume
-        from: the longest usable hit (card: 命中), 0 if there is none. The entry it resumes from counts as used:
-        afterwards it is the most recently used."""
+        """How many of the leading KV hits (block ids, in order, from e02's _cached_prefix) the request can
+        resume from: the longest usable hit (card: 可用命中, G4), 0 if there is none. The entry it resumes from
+        counts as used: afterwards it is the most recently used."""
         raise NotImplementedError("e07: 请实现 StateCache.lookup（见 lessons/e07_hybrid_prefix_cache.md）")
 
     def capture(self, seq: Sequence, pool: GDNStatePool) -> bool:
@@ -130,11 +130,12 @@ class HybridBlockManager(BlockManager):
         raise NotImplementedError("e07: 请实现 HybridBlockManager._allocate_block（见 lessons/e07_hybrid_prefix_cache.md）")
 
     def can_allocate(self, seq: Sequence) -> bool:
-        """Whether seq may be admitted now: False when e02 says so, or when seq should wait (card: 等). It
-        waits when a prefix it shares is being computed in this step by a request admitted before it, and waiting
-        pays: the tokens it would get by waiting are at least half of the tokens it would compute now (exactly
-        half included). A wait must be for something: when the answer is False because of it, the block whose
-        end the owner must stop at has joined wanted. It only answers: no block is allocated."""
+        """Whether seq may be admitted now: False when e02 says so, or when seq should wait (card: G1).
+        It waits when a prefix it shares is being computed in this step by a request admitted before it, and
+        waiting pays: the tokens it would hit by waiting one step are at least half of the tokens it must compute
+        if it does not wait (exactly half included). A wait must be for something: when the answer is False
+        because of it, the block whose end the owner must stop at has joined wanted. It only answers: no block
+        is allocated."""
         raise NotImplementedError("e07: 请实现 HybridBlockManager.can_allocate（见 lessons/e07_hybrid_prefix_cache.md）")
 
     def branch_point(self, seq: Sequence) -> int:
@@ -145,17 +146,18 @@ class HybridBlockManager(BlockManager):
         raise NotImplementedError("e07: 请实现 HybridBlockManager.branch_point（见 lessons/e07_hybrid_prefix_cache.md）")
 
     def _cache_block(self, block_id: int, h: int, token_ids: list[int]) -> None:
-        """e02's registration of a full block under hash h, keeping the card's registration rule: a
-        registered copy that is computed stays registered; the new block then only carries h (and its tokens)."""
+        """e02's registration of a full block under hash h, keeping the card's G3 (while a content has a
+        computed copy, the registered copy is a computed one): a registered copy that is computed stays
+        registered; the new block then only carries h (and its tokens)."""
         raise NotImplementedError("e07: 请实现 HybridBlockManager._cache_block（见 lessons/e07_hybrid_prefix_cache.md）")
 
     def mark_computed(self, seq: Sequence) -> None:
         """After a step (before postprocess) that computed t[c, e) of seq (c = num_cached_tokens,
         e = c + num_scheduled_tokens): every block that t[0, e) fills is computed and nobody waits for it, and
-        the registration rule holds for its hash (a computed copy is registered when the registered one is
-        not). Both are accepted: walking the blocks from block 0 or from the one holding token c (those before
-        it are computed already); registering a block whose hash is registered nowhere (its registered copy
-        was evicted) or leaving it unregistered."""
+        the card's G3 holds for its hash (while a content has a computed copy, the registered copy is a
+        computed one). Both are accepted: walking the blocks from block 0 or from the one holding token c (those
+        before it are computed already); registering a block whose hash is registered nowhere (its registered
+        copy was evicted) or leaving it unregistered."""
         raise NotImplementedError("e07: 请实现 HybridBlockManager.mark_computed（见 lessons/e07_hybrid_prefix_cache.md）")
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
