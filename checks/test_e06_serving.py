@@ -362,9 +362,9 @@ SURROGATE = "JSON 里的孤立代理字符（\"\\ud800\"）没有在 tokenizer �
 DEEP = "json.loads 的 RecursionError 没有捕获（它不是 JSONDecodeError），变成了 500"
 STOP_ITEM = ("stop 列表里的每一项都要查类型（只收非空 str）：非字符串的项漏了过去，"
              "到 .encode / len / text.find 才抛异常（500），或者被悄悄收下")
-CONTENT = ("每条消息的 content 都要查类型（只收 str）：5、null、分段的列表漏了过去，"
+CONTENT = ("每条消息都要先经过 chat_message（只收 str 或 text 分段的列表）：5、null、图片分段漏了过去，"
            "到 _unicode / len 才抛异常（500），或者被模板渲染成 \"5\"、\"None\" 悄悄收下")
-MESSAGE = "每条消息都要先查是不是 JSON 对象：\"hi\" 这样的消息到 m.get / m[\"role\"] 才抛异常，变成了 500"
+MESSAGE = "每条消息都要先经过 chat_message（先查是不是 JSON 对象）：\"hi\" 这样的消息到 m.get / m[\"role\"] 才抛异常，变成了 500"
 USAGE_BOOL = "include_usage 只收 JSON 的 true / false：\"yes\"、1 被当成真值收下了（stream_options 要查 isinstance(..., bool)）"
 OVERFLOW = ("超大的整数（10**400，JSON 的整数没有大小限制）转成 float 时抛 OverflowError，不是 ValueError，变成了 500："
             "parse_request 不要自己 float() / math.isfinite，把值原样交给 SamplingParams（e01 把它变成点名字段的 ValueError）")
@@ -402,7 +402,18 @@ BAD = [  # (what, endpoint, body, the field the error must name, the classic mis
      "context_length_exceeded"),
     ("seed < 0", "completions", {"prompt": "hi", "seed": -3}, "seed", None, None),
     ("seed = 2**64", "completions", {"prompt": "hi", "seed": 2**64}, "seed", {200: NUMBERS, 500: NUMBERS}, None),
-    ("n = 2", "completions", {"prompt": "hi", "n": 2}, "n", None, None),
+    ("n = 0", "completions", {"prompt": "hi", "n": 0}, "n", None, None),
+    ("n = 17", "chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 17}, "n", None, None),
+    ("logprobs = 6", "completions", {"prompt": "hi", "logprobs": 6}, "logprobs", None, None),
+    ("chat 的 logprobs 是 1", "chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": 1},
+     "logprobs", None, "invalid_type"),
+    ("top_logprobs 没有 logprobs", "chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs", None, None),
+    ("top_logprobs = 21", "chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs", None,
+     None),
+    ("chat 里的 echo", "chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo",
+     None, "unknown_parameter"),
     ("stop 是数字", "completions", {"prompt": "hi", "stop": 5}, "stop", None, "invalid_type"),
     ("stop 是空字符串", "completions", {"prompt": "hi", "stop": ""}, "stop", EMPTY_STOP, None),
     ("stop 列表里有数字", "completions", {"prompt": "hi", "stop": ["x", 5]}, "stop",
@@ -430,8 +441,11 @@ BAD = [  # (what, endpoint, body, the field the error must name, the classic mis
     ("message 的 content 是 null", "chat/completions",
      {"messages": [{"role": "system", "content": "hi"}, {"role": "user", "content": None}]},
      "messages[1]", {200: CONTENT, 500: CONTENT}, None),
-    ("message 的 content 是分段的列表", "chat/completions",
-     {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, "messages[0]",
+    ("message 的 content 里有图片分段", "chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"},
+                                                {"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0]",
+     {200: CONTENT, 500: CONTENT}, None),
+    ("message 的 content 是空列表", "chat/completions", {"messages": [{"role": "user", "content": []}]}, "messages[0]",
      {200: CONTENT, 500: CONTENT}, None),
     ("message 不是对象", "chat/completions", {"messages": ["hi"]}, "messages[0]", {500: MESSAGE}, None),
     ("5 个 stop 字符串", "completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop",
@@ -816,6 +830,7 @@ def test_disconnect_aborts():
         assert h.get("gdn_free_slots", 0) == h.get("gdn_slots", 0), f"{what}GDN 状态槽位没有全部归还：{h}"
     assert "gdn_slots" in h, f"混合模型的 /health 应报告 GDN 槽位（AsyncEngine.stats）：{h}"
     _leave_before_accept(impl(MODULE))
+    _leave_before_body(impl(MODULE))
 
 
 def _leave_before_accept(m) -> None:
@@ -1252,3 +1267,198 @@ def test_commands_batched_per_step():
     assert len(set(added[1:])) == 1, (f"{k} 个请求在同一步期间到达，应在下一步之前全部 add_request（同一个步数），"
                                       f"实际 add_request 时的步数 {added[1:]}\n  看起来像易错点：_apply_commands 没有一次"
                                       "取完队列里的命令（每次只取一个：要一直取到 queue.Empty），请求一步一个地进入引擎")
+
+
+N_REFUSED = "n > 1 仍被拒绝：parse_request 不再查 n（n 的范围由给出的 output_options 查，n 个样本由 build_app 拆成 n 个引擎请求）"
+
+
+@point("n > 1（openai 客户端）：n 个样本是 seed + i 的 n 个引擎请求（重跑相同），每个 choice 带自己的 index，流式交错发出，"
+       "prompt 的整块经 prefix cache 共享")
+def test_n_choices():
+    e01 = impl("e01_sampling")
+    url, r = _live(), Rand()
+    client, tok = _client(url), _oracle().tokenizer
+    n, prompt = r.int(2, 4), _text(r, r.int(40, 60))
+    s = _sampling(r, r.int(6, 16))
+    refs = _reference([prompt] * n, [_params(e01, s, seed=s["seed"] + i) for i in range(n)])
+    before = _wait_idle(url)["prefix_hit_blocks"]
+    try:
+        out = client.completions.create(model=MODEL, prompt=prompt, n=n, **s)
+    except Exception as exc:
+        raise AssertionError(f"n = {n} 的请求失败：{exc}\n  看起来像易错点：{N_REFUSED}") from None
+    hits = _wait_idle(url)["prefix_hit_blocks"] - before
+    assert sorted(c.index for c in out.choices) == list(range(n)), \
+        f"n = {n}：choices 的 index 应为 0..{n - 1}，得到 {[c.index for c in out.choices]}"
+    for c in sorted(out.choices, key=lambda c: c.index):
+        _same(f"n = {n} 的 choice {c.index}（seed + {c.index}）", (c.model_extra or {}).get("token_ids"), c.text,
+              refs[c.index], r)
+    assert out.usage.completion_tokens == sum(len(ref.token_ids) for ref in refs), f"usage 应计入每个 choice：{out.usage}"
+    again = client.completions.create(model=MODEL, prompt=prompt, n=n, **s)
+    assert {c.index: c.text for c in again.choices} == {c.index: c.text for c in out.choices}, \
+        "同一个带 seed 的 n > 1 请求重跑一次，n 个样本应与第一次相同"
+    full = (len(tok.encode(prompt)) - 1) // _oracle().config.block_size
+    assert hits >= (n - 1) * full, (f"n = {n} 个样本的 prompt 相同（{full} 个可共享的整块），prefix cache 应命中至少 "
+                                    f"{(n - 1) * full} 块，得到 {hits}")
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, n=n, stream=True,
+                                            stream_options={"include_usage": True}, **s))
+    order = [ch.index for c in chunks for ch in c.choices]
+    for i in range(n):
+        got = "".join(ch.text for c in chunks for ch in c.choices if ch.index == i)
+        ids = [(ch.model_extra or {}).get("token_ids") for c in chunks for ch in c.choices
+               if ch.index == i and ch.finish_reason]
+        assert len(ids) == 1, f"流式 n = {n}：choice {i} 应有且只有一个带 finish_reason 的 chunk，得到 {len(ids)} 个"
+        _same(f"流式 n = {n} 的 choice {i}", ids[0], got, refs[i], r)
+    spans = [(order.index(i), len(order) - 1 - order[::-1].index(i)) for i in range(n)]
+    assert all(a < end for a, _ in spans for _, end in spans), \
+        f"流式 n = {n}：各个 choice 的帧应交错发出（它们在引擎里同批生成），得到的 index 顺序 {order}"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == out.usage.completion_tokens, \
+        f"流式 n = {n}：最后一帧的 usage 应计入每个 choice：{chunks[-1]}"
+    assert len({c.id for c in chunks}) == 1, "流式 n > 1：所有帧的 id 应相同"
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], n=n, **s)
+    assert sorted(c.index for c in chat.choices) == list(range(n)), f"chat n = {n}：{chat.choices}"
+    h = _wait_idle(url)
+    assert h["pending"] == 0 and h["free_blocks"] == h["total_blocks"], f"n > 1 的请求结束后：{h}"
+
+
+@point("chat 的 content 可以是 text 分段的列表（换行连接），developer 角色按 system 处理（openai 客户端）")
+def test_content_parts_and_developer():
+    url, r = _live(), Rand()
+    client = _client(url)
+    parts, system = [_text(r, r.int(2, 8)) for _ in range(r.int(2, 3))], _text(r, r.int(3, 6))
+    s = dict(max_tokens=r.int(3, 8), temperature=0, extra_body={"return_token_ids": True})
+    plain = client.chat.completions.create(model=MODEL, **s, messages=[
+        {"role": "system", "content": system}, {"role": "user", "content": "\n".join(parts)}])
+    try:
+        split = client.chat.completions.create(model=MODEL, **s, messages=[
+            {"role": "developer", "content": [{"type": "text", "text": system}]},
+            {"role": "user", "content": [{"type": "text", "text": p} for p in parts]}])
+    except Exception as exc:
+        raise AssertionError(f"developer 角色、text 分段的 content 应被收下，得到 {exc}\n  看起来像易错点："
+                             "parse_request 没有用 chat_message 检查、整理每条消息（developer → system，分段用换行连接）") from None
+    assert split.usage.prompt_tokens == plain.usage.prompt_tokens, (
+        f"developer + 分段的 content 应与 system + 换行连接的字符串得到同一个 prompt：prompt_tokens "
+        f"{split.usage.prompt_tokens} ≠ {plain.usage.prompt_tokens}")
+    assert split.choices[0].model_extra["token_ids"] == plain.choices[0].model_extra["token_ids"], "greedy 的输出应相同"
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_server(family: str):
+    """A server over an HF checkpoint (tiny, fp32, every weight random) and that HF model, for the logprob oracle."""
+    import tempfile
+    from pathlib import Path
+
+    from course.runtime.serve import BackgroundServer
+    from course.runtime.tiny_tokenizer import byte_tokenizer
+    r, tok = Rand(), byte_tokenizer()
+    hf = hf_models.hf_model(family, hf_models.tiny_config(family, r, vocab=len(tok), layers=2), r)
+    folder = hf_models.save_hf(hf, Path(tempfile.mkdtemp(prefix="e06-hf-")))
+    llm = impl("e05_engine").LLM(str(folder), tokenizer=tok, max_model_len=256, max_num_seqs=8, num_kvcache_blocks=64)
+    engine = impl(MODULE).AsyncEngine(llm)
+    return BackgroundServer(impl(MODULE).build_app(engine.start(), MODEL)).url, hf, r
+
+
+def _close(what: str, got: list, want, r: Rand, tol: float = 2e-4) -> None:
+    import torch
+    got_t = torch.tensor(got, dtype=torch.float64)
+    want = torch.as_tensor(want, dtype=torch.float64)
+    err = (got_t - want).abs().max().item() if len(got) else 0.0
+    assert len(got) == len(want) and err < tol, (
+        f"{what}：应是模型原始 logits 的 log-softmax（HF 在同一串 token 上的 logits；温度、top-k/p 之前），"
+        f"最大误差 {err:.3g}\n  得到 {got[:6]}\n  期望 {want[:6].tolist()}\n  {r}")
+
+
+@point("logprobs（completions 0–5 + echo，chat logprobs + top_logprobs）：模型原始 logits 的 log-softmax，与 HF 的 logits "
+       "相同；echo 给出 prompt 每个 token 的 logprob（prefix cache 命中时也是），流式逐帧给出")
+def test_logprobs_match_hf():
+    import torch
+    for family in ("qwen3", "qwen3_5_text"):
+        url, hf, r0 = _hf_server(family)
+        r, client = Rand(), _client(url)
+        prompt = [r.int(0, 255) for _ in range(r.int(34, 60))]
+        for attempt, stream in ((0, False), (1, r.choice([False, True]))):   # the second one hits the prefix cache
+            k = r.int(1, 5)
+            s = dict(max_tokens=r.int(3, 8), temperature=r.choice([0.5, 1.5]), seed=r.int(0, 10**6), logprobs=k,
+                     echo=True, extra_body={"return_token_ids": True, "top_k": 3})
+            what = f"{family}：completions logprobs={k} echo（第 {attempt + 1} 次，stream={stream}）"
+            out = client.completions.create(model=MODEL, prompt=prompt, stream=stream, **s)
+            chunks = list(out) if stream else [out]
+            choices = [c.choices[0] for c in chunks if c.choices]
+            completion = [t for c in choices for t in ((c.model_extra or {}).get("token_ids") or [])]
+            text = "".join(c.text for c in choices)
+            lp = [x for c in choices if c.logprobs for x in c.logprobs.token_logprobs]
+            tokens = [x for c in choices if c.logprobs for x in c.logprobs.tokens]
+            ids = prompt + completion
+            ref = torch.log_softmax(hf_models.hf_logits(hf, [torch.tensor(ids)]).double(), -1)    # [L, V]
+            assert len(lp) == len(ids) and lp[0] is None, (
+                f"{what}：echo 时 token_logprobs 应有 prompt + completion = {len(ids)} 项、第一项是 null，"
+                f"得到 {len(lp)} 项，第一项 {lp[:1]}")
+            assert text.startswith(_oracle().tokenizer.decode(prompt)), f"{what}：echo 的文本应以 prompt 开头"
+            assert len(tokens) == len(ids), f"{what}：tokens 应与 token_logprobs 一样长"
+            _close(what, lp[1:], ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])], r)
+            tops = [t for c in choices if c.logprobs for t in c.logprobs.top_logprobs][1:]
+            _close(f"{what} 的 top_logprobs 之首", [max(t.values()) for t in tops], ref[:-1].max(-1).values, r)
+        messages = [{"role": "user", "content": _text(r, r.int(3, 12))}]
+        k = r.int(0, 20)
+        out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=r.int(3, 6), temperature=1.3,
+                                             seed=r.int(0, 10**6), logprobs=True, top_logprobs=k,
+                                             extra_body={"return_token_ids": True})
+        tok = _oracle().tokenizer
+        chat_ids = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        completion = out.choices[0].model_extra["token_ids"]
+        content = out.choices[0].logprobs.content
+        ref = torch.log_softmax(hf_models.hf_logits(hf, [torch.tensor(chat_ids + completion)]).double(), -1)
+        ref = ref[len(chat_ids) - 1:-1]
+        what = f"{family}：chat logprobs top_logprobs={k}"
+        assert len(content) == len(completion), f"{what}：每个生成的 token 一项，应有 {len(completion)} 项，得到 {len(content)}"
+        _close(what, [c.logprob for c in content], ref[torch.arange(len(completion)), torch.tensor(completion)], r)
+        for i, c in enumerate(content):
+            assert len(c.top_logprobs) == k, f"{what}：第 {i} 个 token 的 top_logprobs 应有 {k} 项，得到 {len(c.top_logprobs)}"
+            _close(f"{what} 第 {i} 个 token 的 top_logprobs", [t.logprob for t in c.top_logprobs],
+                   ref[i].topk(k).values, r)
+
+
+def _leave_before_body(m) -> None:
+    """A client that is gone when the streaming answer starts (after add() returned, before the body's first
+    byte): Starlette then never starts the body, so only the response's own cleanup can release the request."""
+    llm = _e05_llm(max_num_seqs=4, num_kvcache_blocks=64)
+    engine = m.AsyncEngine(llm, max_pending=8).start()
+    app = m.build_app(engine, MODEL)
+
+    async def leave(n: int):
+        body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 400, "ignore_eos": True, "stream": True,
+                           "n": n}).encode()
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2),
+                 "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json"),
+                             (b"content-length", str(len(body)).encode())]}
+        read = []
+
+        async def receive():
+            if not read:
+                read.append(True)
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.sleep(3600)
+
+        async def send(message):
+            raise OSError("the client is gone")           # what uvicorn's send does on a closed connection
+
+        try:
+            await app(scope, receive, send)
+        except Exception:
+            pass
+        for _ in range(200):
+            await asyncio.sleep(0.02)
+            if not llm.has_unfinished():
+                break
+        return engine.pending, llm.has_unfinished()
+
+    try:
+        for n in (1, 3):
+            pending, unfinished = asyncio.run(asyncio.wait_for(leave(n), 20))
+            assert pending == 0 and not unfinished, (
+                f"n = {n}：客户端在 add 之后、流式响应开始之前离开（Starlette 不再启动响应体），pending = {pending}，"
+                f"引擎里{'还有请求在算' if unfinished else '已经空闲'}：响应体的生成器从没运行，run_request 的 finally 也就不会运行；"
+                "给出的 ReleasingStream 在响应结束时（无论怎样结束）release 每个 choice")
+    finally:
+        engine.shutdown()

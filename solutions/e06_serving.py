@@ -15,6 +15,7 @@ input), after it as an SSE error event that ends the stream. One bad request nev
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hmac
 import json
@@ -32,20 +33,28 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+import torch
+from torch import nn
+
 from .e01_sampling import SamplingParams
+from .m04_attention import Attention, AttentionContext
 
 NUMBER, INT, BOOL, TEXT = (int, float), int, bool, str
 COMMON = {"model": TEXT, "stream": BOOL, "stream_options": dict, "n": INT, "stop": (str, list), "user": TEXT,
           "max_tokens": INT, "temperature": NUMBER, "top_p": NUMBER, "top_k": INT, "min_p": NUMBER, "seed": INT,
           "stop_token_ids": list, "ignore_eos": BOOL, "return_token_ids": BOOL}
-FIELDS = {False: {"prompt": (str, list), **COMMON},                                 # /v1/completions
-          True: {"messages": list, "max_completion_tokens": INT, **COMMON}}          # /v1/chat/completions
+FIELDS = {False: {"prompt": (str, list), "logprobs": INT, "echo": BOOL, **COMMON},   # /v1/completions
+          True: {"messages": list, "max_completion_tokens": INT, "logprobs": BOOL, "top_logprobs": INT,
+                 **COMMON}}                                                          # /v1/chat/completions
 RETRY_AFTER_S = 1                                    # what a 503 tells the client to wait
 SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos")
 MAX_BODY_BYTES = 4 * 2**20                           # a larger body is refused (413) before it is read in full
 MAX_STOP, MAX_STOP_CHARS = 4, 256                    # OpenAI: up to 4 stop strings; each is searched at every token
 MAX_STOP_TOKEN_IDS = 256                             # held as a set by SamplingParams: a bound on the request's size
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")  # the Host headers served unless build_app is told more
+MAX_N = 16                                           # samples of one prompt per request (n), each an engine request
+MAX_LOGPROBS = {False: 5, True: 20}                  # completions' logprobs, chat's top_logprobs (OpenAI's bounds)
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 log = logging.getLogger("course.serve")
 
 
@@ -96,13 +105,63 @@ class ParsedRequest:
     return_token_ids: bool
     chat: bool
     token_ids: list[int] = field(default_factory=list)    # filled while the request runs
+    # the rest is set by the given code (build_app): n, logprobs, echo (output_options) and one copy per choice
+    n: int = 1
+    logprobs: int | None = None    # top logprobs per token (0: the sampled token's only); None: no logprobs
+    echo: bool = False             # completions: the prompt (and its logprobs) before the completion
+    prompt_text: str = ""
+    index: int = 0                 # this copy's choice
+    response_id: str = ""          # shared by the choices of one response
+    group: list[ParsedRequest] = field(default_factory=list)    # every choice of the response (usage)
+    tokens: list = field(default_factory=list)                  # LogprobTap's entries: the prompt's, then one per token
+    logprobs_sent: int = 0         # entries already sent (streaming sends each token's with its chunk)
+    text_offset: int = 0           # completions' text_offset of the next token
+    echoed: bool = False           # echo: the prompt text went out (with the first chunk)
+
+
+def chat_message(m: object, i: int) -> dict:
+    """Message i as the chat template takes it: {"role", "content": str[, "name"]} (given code).
+
+    `developer` (OpenAI's newer name for system) becomes `system`; content is a string or a list of
+    {"type": "text", "text": str} parts, joined with newlines (vLLM's string content format). Anything else
+    (an image part, a number, null, an unknown key) is a RequestError naming messages[i].
+    """
+    bad = RequestError("each message is {'role': system|developer|user|assistant, 'content': a string or a list of "
+                       "{'type': 'text', 'text': str} parts}", f"messages[{i}]")
+    if not (isinstance(m, dict) and m.get("role") in ROLES and set(m) <= {"role", "content", "name"}):
+        raise bad
+    content = m.get("content")
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and set(p) == {"type", "text"} and p["type"] == "text" and isinstance(p["text"], str)
+            for p in content):
+        content = "\n".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise bad
+    return {**m, "role": ROLES[m["role"]], "content": content}
+
+
+def output_options(body: dict, chat: bool) -> tuple[int, int | None, bool]:
+    """(n, top logprobs per token or None, echo) of a body parse_request accepted (given code; the JSON types are
+    already checked). Completions: logprobs 0-5, echo; chat: logprobs true with top_logprobs 0-20."""
+    n = 1 if body.get("n") is None else body["n"]
+    if not 1 <= n <= MAX_N:
+        raise RequestError(f"n must be an int in [1, {MAX_N}], got {n}", "n")
+    name = "top_logprobs" if chat else "logprobs"
+    top = body.get(name)
+    if top is not None and not 0 <= top <= MAX_LOGPROBS[chat]:
+        raise RequestError(f"{name} must be an int in [0, {MAX_LOGPROBS[chat]}], got {top}", name)
+    if chat and top is not None and not body.get("logprobs"):
+        raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
+    if chat:
+        return n, (top or 0) if body.get("logprobs") else None, False
+    return n, top, bool(body.get("echo"))
 
 
 def parse_request(body: object, chat: bool, tokenizer, model_name: str, max_model_len: int) -> ParsedRequest:
     """Check an OpenAI request body field by field; raise RequestError(message, param) at the first bad one.
 
-    Unknown fields, wrong JSON types (bool is not a number), an empty or too long prompt, n != 1 and
-    prompt + max_tokens beyond max_model_len are refused here; the sampling values by SamplingParams.
+    Unknown fields, wrong JSON types (bool is not a number), an empty or too long prompt and prompt + max_tokens
+    beyond max_model_len are refused here; the sampling values by SamplingParams. Messages pass chat_message.
     """
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
@@ -126,10 +185,8 @@ def parse_request(body: object, chat: bool, tokenizer, model_name: str, max_mode
     too_long = RequestError(f"the {key} is longer than this model's context ({max_model_len} tokens)", key,
                             code="context_length_exceeded")
     if chat:
+        prompt = [chat_message(m, i) for i, m in enumerate(prompt)]
         for i, m in enumerate(prompt):
-            if not (isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
-                    and isinstance(m.get("content"), str) and set(m) <= {"role", "content", "name"}):
-                raise RequestError("each message is {'role': system|user|assistant, 'content': str}", f"messages[{i}]")
             _unicode(m["content"], f"messages[{i}]")
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise RequestError("this model has no chat template; use /v1/completions", "messages")
@@ -148,12 +205,10 @@ def parse_request(body: object, chat: bool, tokenizer, model_name: str, max_mode
     elif all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         prompt_ids = list(prompt)
     else:
-        raise RequestError("prompt is one string or one list of token ids (n = 1: one prompt per request)", key)
+        raise RequestError("prompt is one string or one list of token ids (one prompt per request)", key)
     if len(prompt_ids) >= max_model_len:
         raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this model's context is {max_model_len}", key,
                            code="context_length_exceeded")
-    if body.get("n") not in (None, 1):
-        raise RequestError("only n = 1 is supported", "n")
     options = body.get("stream_options") or {}
     if options and (not body.get("stream") or set(options) != {"include_usage"}
                     or not isinstance(options["include_usage"], bool)):
@@ -248,6 +303,7 @@ class AsyncEngine:
         self.pending = 0                                            # event loop only: admitted, not released
         self.running = True
         self.thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self.tap = LogprobTap(llm)                                  # logprobs and echo (given code)
 
     def start(self) -> AsyncEngine:
         self.thread.start()
@@ -354,6 +410,78 @@ class AsyncEngine:
         return {**self.llm.stats, **gdn, "pending": self.pending, "unfinished": len(self.llm.requests)}
 
 
+class LogprobTap:
+    """Logprobs for the requests that ask for them, on the engine thread (given code): the log-softmax of the model's
+    raw logits, before temperature and top-k/p (vLLM's default logprobs mode, raw_logprobs).
+
+    It wraps the runner's sampler: each watched row (a request's params) gets its sampled token's logprob and its
+    top k, taken before the sampler sees the logits. An echo request's prompt is scored once, at its first sample,
+    by a forward pass of the prompt alone that neither reads nor writes the KV cache (a prefix-cache hit skips
+    those positions' logits; vLLM skips the cache read instead). Entries go to the request's event loop with
+    call_soon_threadsafe, so each arrives before the token it belongs to: (text, logprob, [(text, logprob)] * k);
+    the prompt's first token has (text, None, None).
+    """
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.watched: dict[int, list] = {}                          # id(params) -> [choice, its loop, prompt due]
+        runner = llm.runner.__dict__.get("runner", llm.runner)      # e07's SnapshotRunner wraps e04's runner
+        self.sampler, runner.sampler = runner.sampler, self.sample
+
+    def watch(self, req: ParsedRequest) -> None:
+        """(event loop) Before req's engine.add: its samples (and prompt, with echo) get logprobs."""
+        self.watched[id(req.params)] = [req, asyncio.get_running_loop(), req.echo]
+
+    def unwatch(self, req: ParsedRequest) -> None:
+        self.watched.pop(id(req.params), None)
+
+    def sample(self, logits: torch.Tensor, params: list, generators: list) -> torch.Tensor:
+        rows = [(i, w) for i, p in enumerate(params) if (w := self.watched.get(id(p))) is not None]
+        if not rows:
+            return self.sampler(logits, params, generators)
+        logprobs = torch.log_softmax(logits[[i for i, _ in rows]].float(), dim=-1)   # raw: before any warping
+        tokens = self.sampler(logits, params, generators)
+        for (i, watched), row in zip(rows, logprobs):
+            req, loop, prompt_due = watched
+            entries = self.score(req.prompt_ids, req.logprobs) if prompt_due else []
+            watched[2] = False
+            entries.append(self.entry(row, int(tokens[i]), req.logprobs))
+            loop.call_soon_threadsafe(req.tokens.extend, entries)
+        return tokens
+
+    def text(self, token: int) -> str:
+        tokenizer = self.llm.tokenizer
+        return tokenizer.decode([token]) if tokenizer is not None else f"token_id:{token}"
+
+    def entry(self, row: torch.Tensor, token: int, k: int) -> tuple:
+        top = torch.topk(row, k) if k else None
+        pairs = zip(top.indices.tolist(), top.values.tolist()) if k else ()
+        return self.text(token), float(row[token]), [(self.text(t), lp) for t, lp in pairs]
+
+    @torch.inference_mode()
+    def score(self, prompt_ids: list[int], k: int, rows_per_chunk: int = 256) -> list[tuple]:
+        """The prompt's entries: position i's logits give token i + 1's logprob (token 0 has none)."""
+        model = self.llm.model
+        layers = [layer.self_attn for layer in model.model.layers if getattr(layer, "self_attn", None) is not None]
+        paged = [attn.attn for attn in layers]
+        device, n = next(model.parameters()).device, len(prompt_ids)
+        cu = torch.tensor([0, n], dtype=torch.int32, device=device)
+        for attn, backend in zip(layers, paged):                    # no cache: attention over the prompt alone
+            attn.attn = Attention(backend.num_heads, backend.head_dim, backend.scale, backend.num_kv_heads)
+        try:
+            hidden = model(torch.tensor(prompt_ids, device=device), torch.arange(n, device=device),
+                           AttentionContext(cu, cu, n, n), None)
+        finally:
+            for attn, backend in zip(layers, paged):
+                attn.attn = backend
+        entries = [(self.text(prompt_ids[0]), None, None)]
+        for start in range(0, n - 1, rows_per_chunk):
+            end = min(n - 1, start + rows_per_chunk)
+            rows = torch.log_softmax(model.compute_logits(hidden[start:end]).float(), dim=-1)
+            entries += [self.entry(row, prompt_ids[start + j + 1], k) for j, row in enumerate(rows)]
+        return entries
+
+
 def _reply(handle: Handle, item) -> None:
     try:
         handle.loop.call_soon_threadsafe(handle.events.put_nowait, item)
@@ -381,25 +509,61 @@ async def run_request(engine: AsyncEngine, handle: Handle, req: ParsedRequest) -
 
 
 def _choice(req: ParsedRequest, text: str, finish: str | None) -> dict:
+    """One choice of a chunk or an answer: `text` and, with logprobs, those of the tokens not yet sent (echo: the
+    prompt's first). _body stamps the choice's index."""
+    if req.echo and not req.echoed:
+        text, req.echoed = req.prompt_text + text, True
     if not req.chat:
         choice = {"index": 0, "text": text}
     elif req.stream:
         choice = {"index": 0, "delta": {"content": text} if text or not finish else {}}
     else:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}}
-    choice |= {"logprobs": None, "finish_reason": finish}
+    choice |= {"logprobs": _logprobs(req), "finish_reason": finish}
     if req.return_token_ids and finish is not None:    # vLLM's extension: the exact completion tokens
         choice["token_ids"] = list(req.token_ids)
     return choice
 
 
+def _logprobs(req: ParsedRequest) -> dict | None:
+    """OpenAI's logprobs of the tokens since the last chunk (LogprobTap's entries: text, logprob, top k).
+    Completions: tokens, token_logprobs, top_logprobs (the top k and the sampled token), text_offset; chat:
+    content, a list of {token, logprob, bytes, top_logprobs}."""
+    if req.logprobs is None:
+        return None
+    end = (len(req.prompt_ids) if req.echo else 0) + len(req.token_ids)    # entries may run ahead of the tokens
+    entries, req.logprobs_sent = req.tokens[req.logprobs_sent:end], end
+    if req.chat:
+        item = lambda text, lp: {"token": text, "logprob": lp, "bytes": list(text.encode())}
+        return {"content": [item(t, lp) | {"top_logprobs": [item(*e) for e in top]} for t, lp, top in entries],
+                "refusal": None}
+    offsets = []
+    for text, _, _ in entries:
+        offsets.append(req.text_offset)
+        req.text_offset += len(text)
+    return {"tokens": [t for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [None if top is None else _first_of_each([*top, (t, lp)]) for t, lp, top in entries],
+            "text_offset": offsets}
+
+
+def _first_of_each(pairs: list[tuple[str, float]]) -> dict[str, float]:
+    """{text: logprob}, the first (highest) pair of each text: two tokens may decode to one text (U+FFFD)."""
+    out: dict[str, float] = {}
+    for text, logprob in pairs:
+        out.setdefault(text, logprob)
+    return out
+
+
 def _body(req: ParsedRequest, handle: Handle, model: str, choices: list[dict], usage: bool) -> dict:
-    """The OpenAI envelope around `choices`; usage counts tokens, prompt and completion."""
+    """The OpenAI envelope around `choices` (each stamped with req's choice index); usage counts tokens, prompt
+    and completion (every choice's)."""
     kind = ("chat.completion.chunk" if req.stream else "chat.completion") if req.chat else "text_completion"
-    body = {"id": f"{'chatcmpl' if req.chat else 'cmpl'}-{handle.request_id}", "object": kind,
+    for choice in choices:
+        choice["index"] = req.index
+    body = {"id": req.response_id or f"{'chatcmpl' if req.chat else 'cmpl'}-{handle.request_id}", "object": kind,
             "created": int(time.time()), "model": model, "choices": choices}
     if usage:
-        n = len(req.token_ids)
+        n = sum(len(r.token_ids) for r in req.group or [req])
         body["usage"] = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": n,
                          "total_tokens": len(req.prompt_ids) + n}
     return body
@@ -428,12 +592,84 @@ async def sse_frames(engine: AsyncEngine, handle: Handle, req: ParsedRequest, mo
     yield "data: [DONE]\n\n"
 
 
-async def complete(engine: AsyncEngine, handle: Handle, req: ParsedRequest, model: str) -> dict:
-    """The non-streaming answer: every delta joined, the finish_reason, usage."""
-    parts, finish = [], None
-    async for delta, finish in run_request(engine, handle, req):
-        parts.append(delta)
-    return _body(req, handle, model, [_choice(req, "".join(parts), finish)], True)
+def choices_of(req: ParsedRequest) -> list[ParsedRequest]:
+    """The n choices of a request, each its own engine request (given code). As vLLM's n does, choice i's params
+    are req's with seed + i, so a seeded request gives n different samples that repeat on re-run; the copies'
+    params are distinct objects (LogprobTap tells the rows apart by them). The prompt's full blocks are shared
+    through the prefix cache when it is on."""
+    req.group = [req]
+    if req.n == 1:
+        return req.group
+    seed = req.params.seed
+    req.group = [dataclasses.replace(req, index=i, include_usage=False, token_ids=[], tokens=[], params=(
+        dataclasses.replace(req.params, seed=None if seed is None else (seed + i) % 2**64))) for i in range(req.n)]
+    for choice in req.group:
+        choice.group = req.group
+    return req.group
+
+
+async def complete(engine: AsyncEngine, handles: list[Handle], req: ParsedRequest, model: str) -> dict:
+    """The non-streaming answer: each choice's deltas joined with its finish_reason; usage over every choice."""
+    async def one(handle: Handle, choice: ParsedRequest) -> dict:
+        parts, finish = [], None
+        async for delta, finish in run_request(engine, handle, choice):
+            parts.append(delta)
+        return _choice(choice, "".join(parts), finish) | {"index": choice.index}
+
+    async with asyncio.TaskGroup() as group:          # one failing choice cancels the others
+        tasks = [group.create_task(one(h, c)) for h, c in zip(handles, req.group)]
+    return _body(req, handles[0], model, [], True) | {"choices": [t.result() for t in tasks]}
+
+
+DONE = "data: [DONE]\n\n"
+
+
+async def interleaved(engine: AsyncEngine, handles: list[Handle], req: ParsedRequest, model: str
+                      ) -> AsyncIterator[str]:
+    """n > 1, streaming (given code): every choice's sse_frames at once, their frames in the order they come (each
+    carries its choice's index); then one usage frame over every choice (if asked) and one [DONE]. A choice's
+    error frame ends the whole stream."""
+    frames: asyncio.Queue = asyncio.Queue()
+
+    async def pump(handle: Handle, choice: ParsedRequest) -> None:
+        try:
+            async for frame in sse_frames(engine, handle, choice, model):
+                frames.put_nowait(frame)
+        finally:
+            frames.put_nowait(None)
+
+    tasks = [asyncio.ensure_future(pump(h, c)) for h, c in zip(handles, req.group)]
+    try:
+        running, failed = len(tasks), False
+        while running and not failed:
+            frame = await frames.get()
+            if frame is None:
+                running -= 1
+            elif frame != DONE:
+                failed = frame.startswith('data: {"error"')
+                yield frame
+        if req.include_usage and not failed:
+            yield _sse(_body(req, handles[0], model, [], True))
+        yield DONE
+    finally:                                          # the client left: every choice's run_request releases
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class ReleasingStream(StreamingResponse):
+    """A StreamingResponse that calls `done` however it ends (given code): also when the client left before the
+    body started, so that its generator (and run_request's finally) never ran."""
+
+    def __init__(self, content, done, **kwargs):
+        super().__init__(content, **kwargs)
+        self.done = done
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.done()
 
 
 def error_body(exc: Exception) -> tuple[int, dict]:
@@ -487,7 +723,12 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             body = json.loads(raw, parse_constant=_no_constant)
         except (ValueError, RecursionError) as exc:    # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise RequestError(f"the body is not valid JSON: {str(exc)[:200]}", code="invalid_json") from None
-        return parse_request(body, chat, engine.llm.tokenizer, model_name, max_model_len)
+        req = parse_request(body, chat, engine.llm.tokenizer, model_name, max_model_len)
+        req.n, req.logprobs, req.echo = output_options(body, chat)
+        if req.echo:
+            tokenizer = engine.llm.tokenizer
+            req.prompt_text = tokenizer.decode(req.prompt_ids) if tokenizer is not None else ""
+        return req
 
     def check_client(request: Request, body: bool) -> None:
         """401 without the API key; 415 unless the body is JSON (a text/plain POST needs no CORS preflight)."""
@@ -501,17 +742,42 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                                status=415, code="unsupported_media_type")
 
     async def generate(request: Request, chat: bool):
+        choices, handles = [], []
+
+        def done() -> None:                               # however the request ends: every choice released
+            for handle in handles:
+                if not handle.released:
+                    engine.release(handle)
+            for choice in choices:
+                engine.tap.unwatch(choice)
+
         try:
             check_client(request, body=True)
             raw = await _read_body(request, max_body_bytes)
             req = await asyncio.get_running_loop().run_in_executor(parser, parse, raw, chat)
-            handle = await engine.add(req.prompt_ids, req.params)
+            for choice in choices_of(req):                # n engine requests, admitted one by one
+                choices.append(choice)
+                if choice.logprobs is not None:
+                    engine.tap.watch(choice)
+                handles.append(await engine.add(choice.prompt_ids, choice.params))
         except (RequestError, Overloaded, EngineError) as exc:
+            done()
             return error_response(exc)
-        in_flight[id(handle)] = handle
+        except BaseException:
+            done()
+            raise
+        for choice in (req, *choices):
+            choice.response_id = f"{'chatcmpl' if chat else 'cmpl'}-{handles[0].request_id}"
+        for handle in handles:
+            in_flight[id(handle)] = handle
         if req.stream:
-            return StreamingResponse(sse_frames(engine, handle, req, model_name), media_type="text/event-stream")
-        return await _unless_disconnected(request, complete(engine, handle, req, model_name))
+            frames = sse_frames(engine, handles[0], req, model_name) if req.n == 1 else \
+                interleaved(engine, handles, req, model_name)
+            return ReleasingStream(frames, done, media_type="text/event-stream")
+        try:
+            return await _unless_disconnected(request, complete(engine, handles, req, model_name))
+        finally:
+            done()
 
     @app.post("/v1/completions")
     async def completions(request: Request):
