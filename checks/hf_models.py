@@ -160,7 +160,7 @@ def write_checkpoint(folder: Path, config, tensors: dict[str, torch.Tensor], sha
     for i in range(shards):
         part = {k: tensors[k].contiguous() for k in keys[i::shards]}
         save_file(part, str(folder / f"model-{i + 1:05d}-of-{shards:05d}.safetensors"))
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
         k: f"model-{i % shards + 1:05d}-of-{shards:05d}.safetensors" for i, k in enumerate(keys)}}))
     return folder
 
@@ -173,3 +173,96 @@ def omni_checkpoint(model: ThinkerTextLM, folder: Path) -> Path:
     tensors["talker.model.norm.weight"] = torch.zeros(4)
     config = Qwen3OmniMoeConfig(thinker_config={"text_config": model.config.to_dict()})
     return write_checkpoint(folder, config, tensors)
+
+
+# ----------------------------------------------------------------------------- block-FP8 checkpoints (Qwen3-*-FP8)
+FP8_SKIPPED = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight", "shared_expert_gate", "conv1d")
+
+
+def fp8_quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (float8_e4m3fn [N, K], fp32 scale_inv [ceil(N/bn), ceil(K/bk)]): each block's amax maps to 448.
+
+    Written block by block (a loop, unlike the vectorised code under test); the last block of a dim that is not
+    a multiple of the block is partial."""
+    bn, bk = block
+    n, k = w.shape
+    q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(-(-n // bn), -(-k // bk))
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            tile = w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk].float()
+            s = max(tile.abs().max().item() / 448.0, 1e-12)
+            scale[i, j] = s
+            q[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = (tile / s).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """The check's own dequantization of one [N, K] weight, block by block: w = q * scale_inv[block]."""
+    bn, bk = block
+    w = q.float()
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] *= scale[i, j]
+    return w
+
+
+def fp8_tensors(state: dict[str, torch.Tensor], block: tuple[int, int]
+                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """An on-disk state dict (per-expert keys) -> (the FP8 checkpoint's tensors, the same weights dequantized).
+
+    As Qwen's FP8 checkpoints: every linear `X.weight` of attention, MLP, experts, shared expert and Gated
+    DeltaNet becomes float8 + `X.weight_scale_inv`; embeddings, norms, router (mlp.gate), shared_expert_gate,
+    conv1d and lm_head stay as they are."""
+    tensors, dequantized = {}, {}
+    for key, t in state.items():
+        if key.endswith(".weight") and t.dim() == 2 and not any(s in key for s in FP8_SKIPPED):
+            q, scale = fp8_quantize(t, block)
+            tensors[key], tensors[key + "_scale_inv"] = q, scale
+            dequantized[key] = fp8_dequantize(q, scale, block)
+        else:
+            tensors[key] = dequantized[key] = t
+    return tensors, dequantized
+
+
+def fp8_quantization_config(block: tuple[int, int]) -> dict:
+    """config.json's quantization_config of a Qwen FP8 checkpoint."""
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+
+
+def fp8_checkpoint(model, folder: Path, block: tuple[int, int]) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A block-FP8 checkpoint of an HF model (per-expert keys, sharded, weight and scale possibly in two files):
+    (folder, the dequantized per-expert state dict)."""
+    tensors, dequantized = fp8_tensors(per_expert_state_dict(model.state_dict()), block)
+    config = type(model.config).from_dict(model.config.to_dict())
+    config.quantization_config = fp8_quantization_config(block)
+    write_checkpoint(folder, config, tensors)
+    return folder, dequantized
+
+
+def hf_fp8_model(folder: Path):
+    """HF 5.17's own loading of a block-FP8 folder on the CPU: dequantized at load time to fp32.
+
+    FineGrainedFP8Config(dequantize=True) is what lets it load without a GPU (it needs accelerate installed).
+    HF derives the block from the scale grid (rows // scale rows): it is exact only when every dim is a multiple
+    of the block or smaller than it; a partial last block among several is dequantized with the wrong block."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+    return AutoModelForCausalLM.from_pretrained(folder, quantization_config=FineGrainedFP8Config(dequantize=True),
+                                                dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def with_state(model, per_expert: dict[str, torch.Tensor]):
+    """`model` with its weights replaced by a per-expert state dict (fused back into HF's module layout)."""
+    state = {}
+    for key in model.state_dict():
+        if m := re.fullmatch(r"(.*\.experts)\.gate_up_proj", key):
+            n = model.state_dict()[key].shape[0]
+            state[key] = torch.stack([torch.cat([per_expert[f"{m.group(1)}.{e}.gate_proj.weight"],
+                                                 per_expert[f"{m.group(1)}.{e}.up_proj.weight"]]) for e in range(n)])
+        elif m := re.fullmatch(r"(.*\.experts)\.down_proj", key):
+            n = model.state_dict()[key].shape[0]
+            state[key] = torch.stack([per_expert[f"{m.group(1)}.{e}.down_proj.weight"] for e in range(n)])
+        else:
+            state[key] = per_expert[key]
+    model.load_state_dict(state)
+    return model

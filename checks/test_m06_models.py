@@ -17,7 +17,11 @@ from checks import hf_models
 from checks.kit import Rand, assert_close, explain_crash, impl, point
 
 MODULE = "m06_models"
+M_FP8_SCALE_KEY = ("FP8 checkpoint 的 `X.weight_scale_inv` 要和 `X.weight` 一起读、一起消费（它不是一个独立参数）；"
+                   "它的形状是 [ceil(N/bn), ceil(K/bk)]，(bn, bk) 从 config.quantization_config 的 weight_block_size 读"
+                   "（不能写死 128）")
 LOAD_MISTAKES = {
+    "_scale_inv'": M_FP8_SCALE_KEY,      # first: an FP8 scale key also contains ".mlp.gate_proj" and the like
     "missing key for 'lm_head.weight'": "tie_word_embeddings=True 时 lm_head 与 embed_tokens 共享同一个权重，checkpoint 里没有 lm_head",
     "unexpected key 'model.language_model.": "没有把 Qwen3.5 的 model.language_model. 前缀换成 model.",
     "unexpected key 'mtp.": "没有跳过 mtp.* / model.visual.* 这些文本模型用不到的 key",
@@ -242,11 +246,15 @@ def test_qwen3_5_hub_layout():
                  what="Qwen3.5-MoE（hub 布局）的 logits", rand=r, atol=1e-4, rtol=1e-4)
 
 
-def _broken(m, r: Rand, edit) -> str:
-    """Save a tiny qwen3_moe, apply `edit` to its tensors, load: the CheckpointError's message."""
+def _broken(m, r: Rand, edit, fp8_block: tuple[int, int] | None = None) -> str:
+    """Save a tiny qwen3_moe (block-FP8 with fp8_block), apply `edit` to its tensors, load: the CheckpointError's
+    message."""
     config = hf_models.tiny_config("qwen3_moe", r)
     hf = hf_models.hf_model("qwen3_moe", config, r)
     tensors = hf_models.per_expert_state_dict(hf.state_dict())
+    if fp8_block is not None:
+        tensors, _ = hf_models.fp8_tensors(tensors, fp8_block)
+        config.quantization_config = hf_models.fp8_quantization_config(fp8_block)
     edit(tensors)
     with tempfile.TemporaryDirectory() as d:
         hf_models.write_checkpoint(Path(d), config, tensors)
@@ -346,3 +354,98 @@ def test_card_key_mapping_and_offsets():
         view = m.shard_view(model, "model.layers.0.mlp.gate_up_proj.weight", gate_up, shard)
         start = (view.data_ptr() - gate_up.data_ptr()) // (gate_up.element_size() * gate_up.shape[1])
         assert (start, view.shape[0]) == (first, 64), f"gate_up_proj 的 {shard} 应从 row {first} 开始，得到 {start}"
+
+
+# ----------------------------------------------------------------------------- block-FP8 checkpoints
+M_FP8_DIVIDED = "scale_inv 是乘数（w = w_fp8 × scale_inv），不是除数：名字里的 inv 说的是它已经是 1/scale"
+M_FP8_GRID = ("按块展开 scale_inv 后与权重对不上：行（输出维 N）按 weight_block_size[0]、列（输入维 K）按 [1] 展开，"
+              "最后一块不满时按 ceil 切块再截到 [N, K]；不能用 N // scale 行数反推块大小"
+              "（HF 5.17 的 Fp8Dequantize 这样推，只在维度整除时对）")
+
+
+def _fp8_family_config(family: str, r: Rand):
+    """A hard tiny config whose MoE dims are multiples of 16, so HF's dequantization (block = dim // grid) is exact."""
+    config = hf_models.tiny_config(family, r, hard=True)
+    if getattr(config, "moe_intermediate_size", None):
+        config.moe_intermediate_size = 32
+    if getattr(config, "shared_expert_intermediate_size", None):
+        config.shared_expert_intermediate_size = 16
+    return config
+
+
+@point("dequantize_block_fp8：非方块、最后一块不满、stacked experts、输出 dtype")
+def test_dequantize_block_fp8():
+    m = impl(MODULE)
+    r = Rand()
+    bn, bk = r.choice([(16, 8), (8, 32), (32, 16)])               # never square: rows and columns differ
+    n = bn * r.int(1, 3) + r.int(1, bn - 1)                        # a partial last block row ...
+    k = bk * r.int(1, 3) + r.int(1, bk - 1)                        # ... and column
+    w = r.randn(n, k, scale=0.2)
+    q, scale = hf_models.fp8_quantize(w, (bn, bk))
+    want = hf_models.fp8_dequantize(q, scale, (bn, bk))
+    what = f"dequantize_block_fp8（[{n}, {k}]，block ({bn}, {bk})，scale_inv {list(scale.shape)}）"
+    with explain_crash({"must match the size of tensor": M_FP8_GRID}):
+        got = m.dequantize_block_fp8(q, scale, (bn, bk))
+    looks = [(hf_models.fp8_dequantize(q, 1 / scale, (bn, bk)), M_FP8_DIVIDED)]
+    assert_close(got, want, what=what, rand=r, atol=0, rtol=0, looks_like=looks)
+    experts = r.int(2, 4)
+    pairs = [hf_models.fp8_quantize(r.randn(n, k, scale=0.2), (bn, bk)) for _ in range(experts)]
+    stacked_q, stacked_s = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+    want = torch.stack([hf_models.fp8_dequantize(q_, s_, (bn, bk)) for q_, s_ in pairs])
+    with explain_crash({"must match the size of tensor": M_FP8_GRID}):
+        got = m.dequantize_block_fp8(stacked_q, stacked_s, (bn, bk), dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16, f"dequantize_block_fp8(..., dtype=torch.bfloat16) 应返回 bf16，得到 {got.dtype}"
+    assert_close(got, want.to(torch.bfloat16), what=f"stacked experts [{experts}, {n}, {k}] 的 " + what, rand=r)
+
+
+def _fp8_matches(family: str, r: Rand, block: tuple[int, int], config, hf_oracle: bool) -> None:
+    m = impl(MODULE)
+    hf = hf_models.hf_model(family, config, r)
+    with tempfile.TemporaryDirectory() as d:
+        folder, dequantized = hf_models.fp8_checkpoint(hf, Path(d), block)
+        with explain_crash({"must match the size of tensor": M_FP8_GRID}):
+            model = _load(m, folder)
+        # the oracle: HF 5.17 loading the same FP8 folder (dequantize=True), or, where HF's block arithmetic cannot
+        # handle a partial last block among several, HF's model on the weights this check dequantized itself
+        ref_model = hf_models.hf_fp8_model(folder) if hf_oracle else hf_models.with_state(hf, dequantized)
+    seqs, ids, positions, lengths = _packed(r, config.vocab_size)
+    out = _our_logits(m, model, r, seqs, ids, positions, lengths)
+    ref = hf_models.hf_logits(ref_model, seqs)
+    assert_close(out, ref, what=f"FP8 checkpoint（weight_block_size {list(block)}）加载后 {family} 的 logits"
+                 f"（{_knobs(config)}）", rand=r, atol=1e-4, rtol=1e-4)
+
+
+@point("FP8 checkpoint（非方块 block、多块、单个不满的块）：dense 与 MoE 两族的 logits 与 HF 5.17 加载同一目录一致")
+def test_fp8_checkpoint_hf():
+    r = Rand()
+    block = r.choice([(16, 8), (8, 16)])
+    for family in ("qwen3_moe", "qwen3_5_moe_text"):
+        _fp8_matches(family, r, block, _fp8_family_config(family, r), hf_oracle=True)
+
+
+@point("FP8 checkpoint：dense qwen3 与 qwen3_5_text（GDN 投影也是 FP8）的 logits 与 HF 5.17 一致")
+def test_fp8_checkpoint_hf_dense():
+    r = Rand()
+    block = r.choice([(16, 8), (8, 16)])
+    for family in ("qwen3", "qwen3_5_text"):
+        _fp8_matches(family, r, block, _fp8_family_config(family, r), hf_oracle=True)
+
+
+@point("FP8 checkpoint：维度不是块大小的倍数（最后一块不满、前面还有整块）时 logits 仍然正确")
+def test_fp8_partial_blocks():
+    r = Rand()
+    block = (r.choice([24, 40]), r.choice([24, 40]))      # intermediate 64 = 2 x 24 + 16 = 40 + 24: partial blocks
+    family = r.choice(["qwen3", "qwen3_5_text"])
+    _fp8_matches(family, r, block, hf_models.tiny_config(family, r, hard=True), hf_oracle=False)
+
+
+@point("坏的 FP8 checkpoint 报错并点名 key：float8 权重缺 scale、scale 形状与块网格不符")
+def test_bad_fp8_checkpoints():
+    m = impl(MODULE)
+    r = Rand()
+    key = "model.layers.2.mlp.experts.1.down_proj.weight"
+    msg = _broken(m, r, lambda t: t.pop(key + "_scale_inv"), fp8_block=(16, 8))
+    assert key in msg, f"float8 权重没有 weight_scale_inv 时应报 CheckpointError 并点名 {key!r}，得到：{msg}"
+    key = "model.layers.0.self_attn.k_proj.weight"
+    msg = _broken(m, r, lambda t: t.update({key + "_scale_inv": t[key + "_scale_inv"][:, :-1]}), fp8_block=(16, 8))
+    assert key + "_scale_inv" in msg, f"scale_inv 形状不符时应点名 {key + '_scale_inv'!r}，得到：{msg}"

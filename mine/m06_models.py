@@ -18,11 +18,17 @@ AttentionContext of m04 (cu_seqlens of the B sequences). One decoder layer:
 Loading maps each checkpoint key to a parameter (and, for packed parameters, a shard of it):
 q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj, experts.{e}.* -> the fused expert tensors;
 `model.language_model.` and `thinker.` prefixes are stripped, vision / audio / mtp / talker keys skipped.
+
+Block-FP8 checkpoints (Qwen3-*-FP8; config.json has a quantization_config with quant_method "fp8"): each
+converted linear ships `X.weight` float8_e4m3fn [N, K] and `X.weight_scale_inv` fp32 [ceil(N/bn), ceil(K/bk)]
+for weight_block_size [bn, bk], w[n, k] = w_fp8[n, k] * scale_inv[n // bn, k // bk] (the last block of a dim
+that is not a multiple of the block is partial). The loader dequantizes such a pair before the usual mapping.
 """
 
 from __future__ import annotations
 
 import re
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -198,16 +204,20 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
 def text_config(config):
     """The text part of a wrapper config (qwen3_5 / qwen3_5_moe: text_config; qwen3_omni_moe: the thinker's).
 
-    A wrapper may set tie_word_embeddings at its own level (HF ties from there): it is carried over.
+    A wrapper may set tie_word_embeddings at its own level (HF ties from there): it is carried over, and so
+    is its quantization_config (an FP8 checkpoint of a wrapper model states it at the top level).
     """
+    quantization = getattr(config, "quantization_config", None)
     if getattr(config, "thinker_config", None) is not None:
         config = config.thinker_config
     inner = getattr(config, "text_config", None)
-    if inner is None:
-        return config
-    if getattr(config, "tie_word_embeddings", False):
-        inner.tie_word_embeddings = True
-    return inner
+    if inner is not None:
+        if getattr(config, "tie_word_embeddings", False):
+            inner.tie_word_embeddings = True
+        config = inner
+    if quantization is not None and getattr(config, "quantization_config", None) is None:
+        config.quantization_config = quantization
+    return config
 
 
 def build_model(config) -> CausalLM:
@@ -229,13 +239,35 @@ def shard_view(model: CausalLM, name: str, param: torch.Tensor, shard: tuple) ->
     raise NotImplementedError("m06: 请实现 shard_view（见 lessons/m06_models.md）")
 
 
+def fp8_block_size(config) -> tuple[int, int]:
+    """weight_block_size of the config's quantization_config (a dict or an HF config object); (128, 128) if unset."""
+    quantization = getattr(config, "quantization_config", None) or {}
+    if not isinstance(quantization, dict):
+        quantization = quantization.to_dict()
+    bn, bk = quantization.get("weight_block_size") or (128, 128)
+    return int(bn), int(bk)
+
+
+def dequantize_block_fp8(w_fp8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """w_fp8 [..., N, K] float8, scale_inv [..., ceil(N/bn), ceil(K/bk)] -> w [..., N, K] in dtype.
+
+    w[n, k] = w_fp8[n, k] * scale_inv[n // bn, k // bk], computed in fp32; leading dims (stacked experts) pass
+    through. The last block row / column is partial when N / K is not a multiple of the block.
+    """
+    raise NotImplementedError("m06: 请实现 dequantize_block_fp8（见 lessons/m06_models.md）")
+
+
 def load_checkpoint(model: CausalLM, path: str | Path) -> None:
     """Fill every parameter of `model` from the *.safetensors files of an HF folder (sharded or not).
 
     A parameter with a `weight_loader(param, tensor, shard) -> number of values written` attribute
     (the tensor-parallel layers of m07) receives the full checkpoint tensor and keeps its own part.
-    Raises CheckpointError naming the key for an unexpected key, a shape mismatch, or a parameter
-    (or part of a packed one) that no key filled.
+    Block-FP8 weights are dequantized first: a key `X.weight` whose sibling `X.weight_scale_inv` exists (in any
+    file of the folder) becomes dequantize_block_fp8(weight, scale, the config's weight_block_size) and the scale
+    key is consumed with it. Raises CheckpointError naming the key for an unexpected key, a shape mismatch, a
+    parameter (or part of a packed one) that no key filled, a float8 weight without its scale, or a scale whose
+    shape does not match its weight's block grid.
     """
     raise NotImplementedError("m06: 请实现 load_checkpoint（见 lessons/m06_models.md）")
 

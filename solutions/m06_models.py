@@ -18,11 +18,17 @@ AttentionContext of m04 (cu_seqlens of the B sequences). One decoder layer:
 Loading maps each checkpoint key to a parameter (and, for packed parameters, a shard of it):
 q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj, experts.{e}.* -> the fused expert tensors;
 `model.language_model.` and `thinker.` prefixes are stripped, vision / audio / mtp / talker keys skipped.
+
+Block-FP8 checkpoints (Qwen3-*-FP8; config.json has a quantization_config with quant_method "fp8"): each
+converted linear ships `X.weight` float8_e4m3fn [N, K] and `X.weight_scale_inv` fp32 [ceil(N/bn), ceil(K/bk)]
+for weight_block_size [bn, bk], w[n, k] = w_fp8[n, k] * scale_inv[n // bn, k // bk] (the last block of a dim
+that is not a multiple of the block is partial). The loader dequantizes such a pair before the usual mapping.
 """
 
 from __future__ import annotations
 
 import re
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -222,16 +228,20 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
 def text_config(config):
     """The text part of a wrapper config (qwen3_5 / qwen3_5_moe: text_config; qwen3_omni_moe: the thinker's).
 
-    A wrapper may set tie_word_embeddings at its own level (HF ties from there): it is carried over.
+    A wrapper may set tie_word_embeddings at its own level (HF ties from there): it is carried over, and so
+    is its quantization_config (an FP8 checkpoint of a wrapper model states it at the top level).
     """
+    quantization = getattr(config, "quantization_config", None)
     if getattr(config, "thinker_config", None) is not None:
         config = config.thinker_config
     inner = getattr(config, "text_config", None)
-    if inner is None:
-        return config
-    if getattr(config, "tie_word_embeddings", False):
-        inner.tie_word_embeddings = True
-    return inner
+    if inner is not None:
+        if getattr(config, "tie_word_embeddings", False):
+            inner.tie_word_embeddings = True
+        config = inner
+    if quantization is not None and getattr(config, "quantization_config", None) is None:
+        config.quantization_config = quantization
+    return config
 
 
 def build_model(config) -> CausalLM:
@@ -282,41 +292,81 @@ def shard_view(model: CausalLM, name: str, param: torch.Tensor, shard: tuple) ->
     return param[:half] if shard[0] == 0 else param[half:]
 
 
+def fp8_block_size(config) -> tuple[int, int]:
+    """weight_block_size of the config's quantization_config (a dict or an HF config object); (128, 128) if unset."""
+    quantization = getattr(config, "quantization_config", None) or {}
+    if not isinstance(quantization, dict):
+        quantization = quantization.to_dict()
+    bn, bk = quantization.get("weight_block_size") or (128, 128)
+    return int(bn), int(bk)
+
+
+def dequantize_block_fp8(w_fp8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """w_fp8 [..., N, K] float8, scale_inv [..., ceil(N/bn), ceil(K/bk)] -> w [..., N, K] in dtype.
+
+    w[n, k] = w_fp8[n, k] * scale_inv[n // bn, k // bk], computed in fp32; leading dims (stacked experts) pass
+    through. The last block row / column is partial when N / K is not a multiple of the block.
+    """
+    bn, bk = block
+    n, k = w_fp8.shape[-2:]
+    scale = scale_inv.float().repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
+    return (w_fp8.float() * scale).to(dtype)
+
+
 def load_checkpoint(model: CausalLM, path: str | Path) -> None:
     """Fill every parameter of `model` from the *.safetensors files of an HF folder (sharded or not).
 
     A parameter with a `weight_loader(param, tensor, shard) -> number of values written` attribute
     (the tensor-parallel layers of m07) receives the full checkpoint tensor and keeps its own part.
-    Raises CheckpointError naming the key for an unexpected key, a shape mismatch, or a parameter
-    (or part of a packed one) that no key filled.
+    Block-FP8 weights are dequantized first: a key `X.weight` whose sibling `X.weight_scale_inv` exists (in any
+    file of the folder) becomes dequantize_block_fp8(weight, scale, the config's weight_block_size) and the scale
+    key is consumed with it. Raises CheckpointError naming the key for an unexpected key, a shape mismatch, a
+    parameter (or part of a packed one) that no key filled, a float8 weight without its scale, or a scale whose
+    shape does not match its weight's block grid.
     """
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no *.safetensors files in {path}")
     params = dict(model.named_parameters())   # tied weights appear once, under embed_tokens
     filled: dict[str, int] = {name: 0 for name in params}
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            for key in f.keys():
-                mapped = map_checkpoint_key(key)
-                if mapped is None:
-                    continue
-                name, shard = mapped
-                if name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
-                    continue
-                if name not in params:
-                    raise CheckpointError(f"unexpected key {key!r} (mapped to {name!r}) in {file.name}")
-                tensor = f.get_tensor(key)
-                loader = getattr(params[name], "weight_loader", None)
-                if loader is not None:        # a tensor-parallel parameter (m07) keeps only its own shard
-                    filled[name] += loader(params[name], tensor, shard)
-                    continue
-                target = shard_view(model, name, params[name].data, shard)
-                if tensor.shape != target.shape:
-                    raise CheckpointError(f"shape mismatch for {key!r}: checkpoint {list(tensor.shape)}, "
-                                          f"model {name!r}{list(shard) if shard else ''} {list(target.shape)}")
-                target.copy_(tensor)
-                filled[name] += target.numel()
+    block = fp8_block_size(model.config)
+    with ExitStack() as stack:
+        where = {}                            # key -> (open file, file); a weight and its scale may sit in two files
+        for file in files:
+            f = stack.enter_context(safe_open(file, framework="pt"))
+            where.update({key: (f, file) for key in f.keys()})
+        for key, (f, file) in where.items():
+            if key.endswith("_scale_inv") and key.removesuffix("_scale_inv") in where:
+                continue                      # read together with its weight
+            mapped = map_checkpoint_key(key)
+            if mapped is None:
+                continue
+            name, shard = mapped
+            if name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
+                continue
+            if name not in params:
+                raise CheckpointError(f"unexpected key {key!r} (mapped to {name!r}) in {file.name}")
+            tensor = f.get_tensor(key)
+            if key + "_scale_inv" in where:
+                scale = where[key + "_scale_inv"][0].get_tensor(key + "_scale_inv")
+                grid = [*tensor.shape[:-2], -(-tensor.shape[-2] // block[0]), -(-tensor.shape[-1] // block[1])]
+                if list(scale.shape) != grid:
+                    raise CheckpointError(f"shape mismatch for {key + '_scale_inv'!r}: {list(scale.shape)}, expected "
+                                          f"{grid} for weight {list(tensor.shape)} in blocks of {list(block)}")
+                tensor = dequantize_block_fp8(tensor, scale, block)
+            elif tensor.dtype == torch.float8_e4m3fn:
+                raise CheckpointError(f"float8 weight {key!r} has no {key + '_scale_inv'!r} in the checkpoint")
+            loader = getattr(params[name], "weight_loader", None)
+            if loader is not None:            # a tensor-parallel parameter (m07) keeps only its own shard
+                filled[name] += loader(params[name], tensor, shard)
+                continue
+            target = shard_view(model, name, params[name].data, shard)
+            if tensor.shape != target.shape:
+                raise CheckpointError(f"shape mismatch for {key!r}: checkpoint {list(tensor.shape)}, "
+                                      f"model {name!r}{list(shard) if shard else ''} {list(target.shape)}")
+            target.copy_(tensor)
+            filled[name] += target.numel()
     for name, param in params.items():
         if filled[name] != param.numel():
             raise CheckpointError(f"missing key for {name!r}: {filled[name]} of {param.numel()} values loaded")
