@@ -169,6 +169,32 @@ def test_fp32_matches_hf_all_families():
             assert llm.runner.graphs or eager, f"{what}：没有 capture 任何 CUDA graph"
 
 
+@point("FP8 checkpoint（weight-only，fp32 激活）：四个家族的 greedy 与同一 checkpoint 反量化后的引擎逐 token 一致，CUDA graphs 开")
+@needs_cuda
+def test_fp8_matches_dequantized():
+    """k05's FP8 GEMMs and FP8 fused MoE inside the engine (g01's use_fp8 / load_fp8_checkpoint, given code): the
+    same FP8 folder served with quantization="auto" (FP8 bytes and scales kept) and with quantization=None (m06
+    dequantizes) must pick the same greedy tokens."""
+    _fp32()
+    r = Rand()
+    m = impl(MODULE)
+    for family in ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text"):
+        hf = hf_models.hf_model(family, gpu_config(family, r), r)
+        folder = Path(tempfile.mkdtemp(prefix=f"course-g01-fp8-{family}-"))
+        _, dequantized = hf_models.fp8_checkpoint(hf, folder, (128, 128))
+        prompts = [r.randint(1, 96, (r.int(2, 40),)).tolist() for _ in range(6)]
+        refs = [o.token_ids for o in _llm(folder, dtype=torch.float32, quantization=None).generate(prompts, _greedy())]
+        llm = _llm(folder, dtype=torch.float32)
+        fp8 = [n for n, p in llm.model.named_parameters() if p.dtype == torch.float8_e4m3fn]
+        assert any(".experts." in n for n in fp8) == ("moe" in family) and any("qkv_proj" in n for n in fp8), \
+            f"{family}：quantization='auto' 没有把 FP8 checkpoint 的线性层与 experts 留在 FP8：{fp8}"
+        with explain_crash(CAPTURE):
+            outs = llm.generate(prompts, _greedy())
+        assert llm.runner.graphs, f"{family}（FP8）：没有 capture 任何 CUDA graph"
+        hf_deq = hf_models.with_state(hf, dequantized).cuda()
+        _assert_same(outs, refs, prompts, f"{family}（FP8 weight-only vs 反量化）", r, hf_deq)
+
+
 def _real_size(family: str, r: Rand):
     """The real hidden sizes with few layers and a smaller vocabulary (fp32 fits easily)."""
     from transformers import Qwen3_5MoeTextConfig, Qwen3Config

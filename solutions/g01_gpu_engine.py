@@ -46,11 +46,14 @@ from .k01_triton_basics import add_rms_norm
 from .k02_paged_attention import TritonPagedAttention
 from .k03_fused_moe import fused_moe_forward
 from .k04_gdn_kernels import CHUNK, gdn_decode, gdn_prefill
+from .k05_fp8 import BLOCK as FP8_BLOCK
+from .k05_fp8 import fp8_linear, fused_experts_fp8, quantize_block_fp8, w8a8_linear
 from .m01_rmsnorm import GemmaRMSNorm, RMSNorm
-from .m03_sparse_moe import MoEWeights, SharedExpert
+from .m03_sparse_moe import MoEWeights, SharedExpert, route
 from .m04_attention import AttentionContext, GatedAttention
 from .m05_gated_deltanet import GatedDeltaNet
-from .m06_models import MLP, CausalLM, SparseMoeBlock, build_model, load_checkpoint, text_config
+from .m06_models import (MLP, CausalLM, CheckpointError, SparseMoeBlock, build_model, dequantize_block_fp8,
+                         fp8_block_size, load_checkpoint, map_checkpoint_key, shard_view, text_config)
 
 
 # ----------------------------------------------------------------------------- the kernel backends
@@ -247,6 +250,8 @@ class KernelMoE(nn.Module):
 
     def eager(self, x: torch.Tensor) -> torch.Tensor:
         b = self.block
+        if b.experts.gate_up_proj.dtype == FP8:
+            return self.eager_fp8(x)
         gate_up, inter = b.experts.gate_up_proj, b.experts.down_proj.shape[-1]
         shared = None
         if b.shared_expert is not None:
@@ -256,6 +261,19 @@ class KernelMoE(nn.Module):
         w = MoEWeights(router=b.gate.weight, w_gate=gate_up[:, :inter], w_up=gate_up[:, inter:],
                        w_down=b.experts.down_proj, top_k=b.top_k, norm_topk_prob=b.norm_topk_prob, shared=shared)
         return fused_moe_forward(x, w)
+
+    def eager_fp8(self, x: torch.Tensor) -> torch.Tensor:
+        """FP8 experts (use_fp8): m03's router, k05's fused_experts_fp8 on views of the fused tensors and of their
+        stacked scale grids (gate's, then up's), the shared expert through its own (FP8) linears."""
+        b, e = self.block, self.block.experts
+        inter, grid = e.down_proj.shape[-1], e.gate_up_proj_scale_inv.shape[1] // 2
+        weights, ids = route(x, b.gate.weight, b.top_k, b.norm_topk_prob)
+        out = fused_experts_fp8(x, e.gate_up_proj[:, :inter], e.gate_up_proj[:, inter:], e.down_proj,
+                                e.gate_up_proj_scale_inv[:, :grid], e.gate_up_proj_scale_inv[:, grid:],
+                                e.down_proj_scale_inv, weights, ids, act_fp8=getattr(e, "act_fp8", False))
+        if b.shared_expert is not None:
+            out = out + torch.sigmoid(x @ b.shared_expert_gate.weight.T) * b.shared_expert(x)
+        return out
 
 
 def moe_buckets(max_tokens: int) -> list[int]:
@@ -353,9 +371,205 @@ def use_kernels(model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tenso
     model.model.norm = KernelNorm(model.model.norm)
 
 
+# ----------------------------------------------------------------------------- block-FP8 weights (k05)
+FP8 = torch.float8_e4m3fn
+PACKED_SHARD = {"q": 0, "k": 1, "v": 2, 0: 0, 1: 1}         # m06's shard of a packed linear -> its index here
+FP8_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b",
+               "out_proj")                                 # what a Qwen FP8 checkpoint quantizes (not lm_head, router)
+
+
+class FP8Linear(nn.Module):
+    """A bias-free linear with a block-FP8 weight, run by k05: weight [N, K] float8_e4m3fn and weight_scale_inv
+    [G, ceil(K/128)] fp32. A packed linear (qkv_proj: q, k, v; gate_up_proj: gate, up) keeps each shard's own
+    128-row scale grid, stacked (G = sum of ceil(rows/128)): the checkpoint's grids copied as they are. When every
+    shard but the last has a multiple of 128 rows (real checkpoints) the stacked grids are the grid of the whole
+    weight and one launch computes it; otherwise (tiny test models) one launch per shard."""
+
+    def __init__(self, shard_rows: list[int], in_features: int, act_fp8: bool = False, device=None):
+        super().__init__()
+        self.shard_rows, self.in_features, self.act_fp8 = list(shard_rows), in_features, act_fp8
+        self.out_features = sum(shard_rows)
+        self.grid_rows = [triton.cdiv(n, FP8_BLOCK) for n in shard_rows]
+        self.weight = nn.Parameter(torch.empty(self.out_features, in_features, dtype=FP8, device=device),
+                                   requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(torch.ones(sum(self.grid_rows), triton.cdiv(in_features, FP8_BLOCK),
+                                                        dtype=torch.float32, device=device), requires_grad=False)
+        self.one_launch = all(n % FP8_BLOCK == 0 for n in shard_rows[:-1])
+
+    def shard(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Shard i's weight rows and scale rows (views)."""
+        row, grid = sum(self.shard_rows[:i]), sum(self.grid_rows[:i])
+        return (self.weight[row:row + self.shard_rows[i]],
+                self.weight_scale_inv[grid:grid + self.grid_rows[i]])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        linear = w8a8_linear if self.act_fp8 else fp8_linear
+        x2 = x.reshape(-1, self.in_features)
+        if self.one_launch:
+            y = linear(x2, self.weight, self.weight_scale_inv)
+        else:
+            y = torch.cat([linear(x2, *self.shard(i)) for i in range(len(self.shard_rows))], dim=-1)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def fp8_shard_rows(model: CausalLM, name: str, linear: nn.Linear) -> list[int] | None:
+    """The shard rows of linear `name` if an FP8 checkpoint quantizes it (None: it stays in the model dtype)."""
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf not in FP8_LINEARS:
+        return None
+    rows = linear.weight.shape[0]
+    if leaf == "qkv_proj":
+        kv = model.get_submodule(name.rsplit(".", 1)[0]).kv_size
+        return [rows - 2 * kv, kv, kv]
+    if leaf == "gate_up_proj":
+        return [rows // 2, rows // 2]
+    return [rows]
+
+
+@torch.no_grad()
+def use_fp8(model: CausalLM, act_fp8: bool = False, only: set[str] | None = None, quantize: bool = False) -> set[str]:
+    """Block-FP8 weights in place: every linear an FP8 checkpoint quantizes -> FP8Linear, every MoE block's experts ->
+    float8 gate_up_proj / down_proj plus gate_up_proj_scale_inv [E, 2 ceil(I/128), ceil(H/128)] (gate's grid, then
+    up's) and down_proj_scale_inv [E, ceil(H/128), ceil(I/128)]. `only`: the module names to convert (those a
+    checkpoint ships with scales); quantize: quantize the current weights (dummy weights) with k05's
+    quantize_block_fp8 on their device, shard by shard. Returns the names of the converted modules."""
+    done = set()
+    for name, module in list(model.named_modules()):
+        if only is not None and name not in only:
+            continue
+        parent, _, leaf = name.rpartition(".")
+        if isinstance(module, nn.Linear) and (rows := fp8_shard_rows(model, name, module)) is not None:
+            fp8 = FP8Linear(rows, module.in_features, act_fp8, device=module.weight.device)
+            if quantize:
+                for i, part in enumerate(module.weight.split(rows)):
+                    w, s = fp8.shard(i)
+                    q, scale = quantize_block_fp8(part)
+                    w.copy_(q)
+                    s.copy_(scale)
+            setattr(model.get_submodule(parent), leaf, fp8)
+            done.add(name)
+        elif leaf == "experts" and isinstance(model.get_submodule(parent), SparseMoeBlock):
+            gate_up, down = module.gate_up_proj, module.down_proj
+            parts = [gate_up.chunk(2, dim=1), [down]]
+            for pname, tensors in (("gate_up_proj", parts[0]), ("down_proj", parts[1])):
+                full = gate_up if pname == "gate_up_proj" else down
+                weight = torch.empty(full.shape, dtype=FP8, device=full.device)
+                grids = [torch.ones(t.shape[0], triton.cdiv(t.shape[1], FP8_BLOCK), triton.cdiv(t.shape[2], FP8_BLOCK),
+                                    dtype=torch.float32, device=full.device) for t in tensors]
+                if quantize:
+                    row = 0
+                    for t, grid in zip(tensors, grids):
+                        q, scale = quantize_block_fp8(t)
+                        weight[:, row:row + t.shape[1]].copy_(q)
+                        grid.copy_(scale)
+                        row += t.shape[1]
+                setattr(module, pname, nn.Parameter(weight, requires_grad=False))
+                setattr(module, pname + "_scale_inv", nn.Parameter(torch.cat(grids, dim=1), requires_grad=False))
+            module.act_fp8 = act_fp8
+            done.add(name)
+    return done
+
+
+def fp8_views(model: CausalLM, name: str, shard: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 weight and scale views that checkpoint shard `shard` of parameter `name` fills (m06's shards)."""
+    module = model.get_submodule(name.rsplit(".", 1)[0])
+    weight, scale = module.get_parameter(name.rsplit(".", 1)[1]), module.get_parameter(name.rsplit(".", 1)[1] + "_scale_inv")
+    if isinstance(module, FP8Linear):
+        return module.shard(PACKED_SHARD[shard[0]]) if shard else (weight, scale)
+    if not shard:                                       # a fused expert tensor of the hub layout
+        return weight, scale
+    _, e, part = shard
+    if part == "down":
+        return weight[e], scale[e]
+    inter, grid = weight.shape[1] // 2, scale.shape[1] // 2
+    return (weight[e, :inter], scale[e, :grid]) if part == "gate" else (weight[e, inter:], scale[e, grid:])
+
+
+def fp8_checkpoint_modules(model: CausalLM, path) -> set[str]:
+    """The modules of `model` whose every checkpoint key ships a weight_scale_inv with 128 x 128 blocks (k05's block):
+    those run in FP8; the rest (none, for another block size) are dequantized by the loader."""
+    from pathlib import Path
+    from safetensors import safe_open
+    if fp8_block_size(model.config) != (FP8_BLOCK, FP8_BLOCK):
+        return set()
+    keys = set()
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            keys.update(f.keys())
+    scaled, plain = set(), set()
+    for key in keys:
+        if key.endswith("_scale_inv") or (mapped := map_checkpoint_key(key)) is None:
+            continue
+        module = mapped[0].rsplit(".", 1)[0]
+        (scaled if key + "_scale_inv" in keys else plain).add(module)
+    return scaled - plain
+
+
+@torch.no_grad()
+def load_fp8_checkpoint(model: CausalLM, path) -> None:
+    """m06's load_checkpoint for a model that use_fp8 converted: a key whose parameter is FP8 has its float8 bytes
+    and its scale copied as they are (into the shard's weight rows and scale rows: no dequantize round trip); every
+    other key goes through m06's path (dequantized with its scale when it has one). CheckpointError as m06."""
+    from contextlib import ExitStack
+    from pathlib import Path
+    from safetensors import safe_open
+    params = dict(model.named_parameters())
+    fp8 = {name for name, p in params.items() if p.dtype == FP8}
+    filled = {name: 0 for name in params}
+    block = fp8_block_size(model.config)
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    with ExitStack() as stack:
+        where = {}
+        for file in sorted(Path(path).glob("*.safetensors")):
+            f = stack.enter_context(safe_open(file, framework="pt"))
+            where.update({key: (f, file) for key in f.keys()})
+        if not where:
+            raise CheckpointError(f"no *.safetensors files in {path}")
+        for key, (f, file) in where.items():
+            if key.endswith("_scale_inv") and key.removesuffix("_scale_inv") in where:
+                continue
+            mapped = map_checkpoint_key(key)
+            if mapped is None or (mapped[0] == "lm_head.weight" and tied):
+                continue
+            name, shard = mapped
+            if name not in params:
+                raise CheckpointError(f"unexpected key {key!r} (mapped to {name!r}) in {file.name}")
+            tensor = f.get_tensor(key)
+            scale = where[key + "_scale_inv"][0].get_tensor(key + "_scale_inv") if key + "_scale_inv" in where else None
+            if name in fp8:
+                if scale is None:
+                    raise CheckpointError(f"{key!r} has no {key + '_scale_inv'!r}: the engine holds {name!r} in FP8")
+                targets = fp8_views(model, name, shard)
+                for got, target, what in ((tensor, targets[0], key), (scale, targets[1], key + "_scale_inv")):
+                    if got.shape != target.shape:
+                        raise CheckpointError(f"shape mismatch for {what!r}: checkpoint {list(got.shape)}, "
+                                              f"model {list(target.shape)}")
+                    target.copy_(got)
+                filled[name] += targets[0].numel()
+                filled[name + "_scale_inv"] += targets[1].numel()
+                continue
+            if scale is not None:
+                tensor = dequantize_block_fp8(tensor, scale, block)
+            elif tensor.dtype == FP8:
+                raise CheckpointError(f"float8 weight {key!r} has no {key + '_scale_inv'!r} in the checkpoint")
+            target = shard_view(model, name, params[name].data, shard)
+            if tensor.shape != target.shape:
+                raise CheckpointError(f"shape mismatch for {key!r}: checkpoint {list(tensor.shape)}, "
+                                      f"model {name!r}{list(shard) if shard else ''} {list(target.shape)}")
+            target.copy_(tensor)
+            filled[name] += target.numel()
+    for name, param in params.items():
+        if filled[name] != param.numel():
+            raise CheckpointError(f"missing key for {name!r}: {filled[name]} of {param.numel()} values loaded")
+
+
 # ----------------------------------------------------------------------------- building on the device
-def build_on_device(model, dtype: torch.dtype, device: torch.device, seed: int = 0) -> tuple[CausalLM, object]:
-    """An m06 model built directly on `device` in `dtype`: from an HF folder, or a config with dummy weights."""
+def build_on_device(model, dtype: torch.dtype, device: torch.device, seed: int = 0,
+                    quantization: str | None = None) -> tuple[CausalLM, object]:
+    """An m06 model built directly on `device` in `dtype`: from an HF folder, or a config with dummy weights.
+
+    quantization "fp8" / "w8a8" (fp8_mode): block-FP8 linears and experts (use_fp8); an FP8 checkpoint's bytes and
+    scales are loaded as they are, dummy weights are drawn in `dtype` and quantized on the device."""
     from transformers import AutoConfig, AutoTokenizer
     from pathlib import Path
     tokenizer, path = None, None
@@ -370,11 +584,36 @@ def build_on_device(model, dtype: torch.dtype, device: torch.device, seed: int =
             built = build_model(model)
     finally:
         torch.set_default_dtype(default)
-    if path is not None:
+    act_fp8 = quantization == "w8a8"
+    if path is not None and quantization:
+        use_fp8(built, act_fp8, only=fp8_checkpoint_modules(built, path))
+        load_fp8_checkpoint(built, path)
+    elif path is not None:
         load_checkpoint(built, path)
     else:
         dummy_weights_(built, seed)
+        if quantization:
+            use_fp8(built, act_fp8, quantize=True)
     return built.eval(), tokenizer
+
+
+def fp8_mode(model, quantization: str | None, device: torch.device, tensor_parallel_size: int) -> str | None:
+    """LLM's quantization setting resolved: "auto" -> "fp8" for a folder whose config.json says quant_method "fp8"
+    (weight-only FP8 GEMMs) on CUDA at TP=1, else None (an FP8 checkpoint is then dequantized by m06's loader);
+    "fp8" / "w8a8" (activations quantized per token group too) on CUDA at TP=1 only; None: never."""
+    if quantization not in ("auto", None, "fp8", "w8a8"):
+        raise ValueError(f"quantization must be 'auto', None, 'fp8' or 'w8a8', got {quantization!r}")
+    if quantization == "auto":
+        import json
+        from pathlib import Path
+        config = Path(model) / "config.json" if isinstance(model, (str, Path)) else None
+        method = (json.loads(config.read_text()).get("quantization_config") or {}).get("quant_method") \
+            if config is not None and config.exists() else None
+        return "fp8" if method == "fp8" and device.type == "cuda" and tensor_parallel_size == 1 else None
+    if quantization and (device.type != "cuda" or tensor_parallel_size != 1 or isinstance(model, nn.Module)):
+        raise ValueError(f"quantization={quantization!r} runs on CUDA at tensor_parallel_size=1, on a model folder "
+                         "or config (k05's FP8 kernels)")
+    return quantization
 
 
 @torch.no_grad()
@@ -833,18 +1072,20 @@ class LLM(CPULLM):
     when num_kvcache_blocks is None), enforce_eager (no CUDA graphs), tensor_parallel_size (one process per
     rank, rank r on cuda:r, NCCL; gloo on the CPU: course/runtime/tp_engine.py), async_scheduling (None: pure
     decode steps overlap the next step's host work with this step's GPU work where step() allows it; False: never).
-    dtype defaults to bf16 on CUDA. With tensor_parallel_size > 1, close() (or `with LLM(...) as llm:`) stops the
+    quantization (fp8_mode): "auto" serves an FP8 checkpoint with k05's FP8 GEMMs, "fp8" / "w8a8" force them (dummy
+    weights quantized), None dequantizes. dtype defaults to bf16 on CUDA. With tensor_parallel_size > 1, close() (or `with LLM(...) as llm:`) stops the
     worker processes.
     """
 
     def __init__(self, model, tokenizer=None, device: str | torch.device | None = None,
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False, tensor_parallel_size: int = 1,
-                 async_scheduling: bool | None = None, **kwargs):
+                 async_scheduling: bool | None = None, quantization: str | None = "auto", **kwargs):
         if async_scheduling not in (None, True, False):
             raise ValueError(f"async_scheduling must be True, False or None, got {async_scheduling!r}")
         self.async_scheduling = async_scheduling          # None: on where it applies (see step)
         self.inflight: Inflight | None = None
         device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        quantization = fp8_mode(model, quantization, device, tensor_parallel_size)
         if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
         self.tp = None
@@ -873,7 +1114,7 @@ class LLM(CPULLM):
         if isinstance(model, nn.Module):
             self.model, self.tokenizer = model.to(device=device, dtype=config.dtype).eval(), tokenizer
         else:
-            self.model, loaded_tokenizer = build_on_device(model, config.dtype, device, config.seed)
+            self.model, loaded_tokenizer = build_on_device(model, config.dtype, device, config.seed, quantization)
             self.tokenizer = tokenizer or loaded_tokenizer
         if self.tp is not None:           # the full model -> this rank's shard (m07), before the KV cache is sized
             self.model = self.tp.shard(self.model)
@@ -1030,5 +1271,6 @@ class LLM(CPULLM):
 
 
 __all__ = ["LLM", "GPUModelRunner", "PoolState", "KernelNorm", "KernelMoE", "KernelGDN", "KernelMLP", "use_kernels",
+           "FP8Linear", "use_fp8", "load_fp8_checkpoint", "fp8_mode",
            "use_fused_mlp",
            "build_on_device", "dummy_weights_", "batch_buckets", "DeviceSampler"]

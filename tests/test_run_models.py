@@ -36,7 +36,7 @@ def test_the_dense_default_says_what_it_does_not_exercise(tmp_path):
     assert "MoE" in unused[0][1] and "Gated DeltaNet" in unused[1][1] and "Gated DeltaNet" in unused[2][1]
     assert "运行它们：./check.sh run --model tiny-hybrid" in out, out
     assert "第二轮" not in out                                    # no snapshot cache: one turn only
-    assert "e06 → ./check.sh serve" in out and "k01–k04、g01 → ./check.sh gpu" in out
+    assert "e06 → ./check.sh serve" in out and "k01–k05、g01 → ./check.sh gpu" in out
 
 
 def test_tiny_hybrid_runs_every_engine_exercise_and_resumes_from_a_snapshot(tmp_path):

@@ -19,13 +19,13 @@ from pathlib import Path
 from ..grader import registry, select, state
 
 ENGINE_MODULES = ["m01", "m02", "m03", "m04", "m05", "m06", "e01", "e02", "e03", "e04", "e05", "e07"]
-GPU_MODULES = ["k01", "k02", "k03", "k04", "g01"]
+GPU_MODULES = ["k01", "k02", "k03", "k04", "k05", "g01"]
 HYBRID = "tiny-hybrid"            # the dummy model that runs every exercise of ENGINE_MODULES
 # what an engine exercise that a model may leave out needs from the model (said when it did not run)
 NEEDS = {"m03": "需要有 MoE 层的模型", "m05": "需要有 Gated DeltaNet 层的模型",
          "e07": "需要混合模型（有 Gated DeltaNet 层）：它的 prefix caching 靠状态快照"}
 ELSEWHERE = ("./check.sh run 不组装的练习：e06 → ./check.sh serve；m07 → ./check.sh m07；"
-             "k01–k04、g01 → ./check.sh gpu（需要 NVIDIA GPU）")
+             "k01–k05、g01 → ./check.sh gpu（需要 NVIDIA GPU）")
 FOLLOW_UP = "请再说得详细一点。"    # the second turn's message on a hybrid model (e07)
 
 
