@@ -1397,6 +1397,19 @@ def test_logprobs_match_hf():
             _close(what, lp[1:], ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])], r)
             tops = [t for c in choices if c.logprobs for t in c.logprobs.top_logprobs][1:]
             _close(f"{what} 的 top_logprobs 之首", [max(t.values()) for t in tops], ref[:-1].max(-1).values, r)
+        if family == "qwen3":                     # lm-evaluation-harness's local-completions: a batch of prompts
+            batch = [[r.int(0, 255) for _ in range(r.int(5, 20))] for _ in range(r.int(2, 3))]
+            out = client.completions.create(model=MODEL, prompt=batch, echo=True, logprobs=1, max_tokens=1,
+                                            temperature=0, extra_body={"return_token_ids": True})
+            what = f"lm-eval 的一组 {len(batch)} 个 prompt（echo、logprobs=1、max_tokens=1）"
+            assert sorted(c.index for c in out.choices) == list(range(len(batch))), f"{what}：{out.choices}"
+            assert out.usage.prompt_tokens == sum(map(len, batch)), f"{what}：usage 应计入每个 prompt：{out.usage}"
+            for c in out.choices:
+                ids = batch[c.index] + c.model_extra["token_ids"]
+                ref = torch.log_softmax(hf_models.hf_logits(hf, [torch.tensor(ids)]).double(), -1)
+                assert c.logprobs.token_logprobs[0] is None, f"{what}：choice {c.index} 的第一项应是 null"
+                _close(f"{what} 的 choice {c.index}", c.logprobs.token_logprobs[1:],
+                       ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])], r)
         messages = [{"role": "user", "content": _text(r, r.int(3, 12))}]
         k = r.int(0, 20)
         out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=r.int(3, 6), temperature=1.3,

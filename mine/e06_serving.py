@@ -53,6 +53,7 @@ MAX_STOP, MAX_STOP_CHARS = 4, 256                    # OpenAI: up to 4 stop stri
 MAX_STOP_TOKEN_IDS = 256                             # held as a set by SamplingParams: a bound on the request's size
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")  # the Host headers served unless build_app is told more
 MAX_N = 16                                           # samples of one prompt per request (n), each an engine request
+MAX_CHOICES = 64                                     # prompts x n of one completions request
 MAX_LOGPROBS = {False: 5, True: 20}                  # completions' logprobs, chat's top_logprobs (OpenAI's bounds)
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 log = logging.getLogger("course.serve")
@@ -117,6 +118,7 @@ class ParsedRequest:
     logprobs_sent: int = 0         # entries already sent (streaming sends each token's with its chunk)
     text_offset: int = 0           # completions' text_offset of the next token
     echoed: bool = False           # echo: the prompt text went out (with the first chunk)
+    prompt_tokens: int = 0         # a response over several prompts: all of theirs (usage)
 
 
 def chat_message(m: object, i: int) -> dict:
@@ -401,8 +403,8 @@ def _body(req: ParsedRequest, handle: Handle, model: str, choices: list[dict], u
             "created": int(time.time()), "model": model, "choices": choices}
     if usage:
         n = sum(len(r.token_ids) for r in req.group or [req])
-        body["usage"] = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": n,
-                         "total_tokens": len(req.prompt_ids) + n}
+        prompt = req.prompt_tokens or len(req.prompt_ids)
+        body["usage"] = {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
     return body
 
 
@@ -418,20 +420,24 @@ async def sse_frames(engine: AsyncEngine, handle: Handle, req: ParsedRequest, mo
     raise NotImplementedError("e06: 请实现 sse_frames（见 lessons/e06_serving.md）")
 
 
-def choices_of(req: ParsedRequest) -> list[ParsedRequest]:
-    """The n choices of a request, each its own engine request (given code). As vLLM's n does, choice i's params
-    are req's with seed + i, so a seeded request gives n different samples that repeat on re-run; the copies'
-    params are distinct objects (LogprobTap tells the rows apart by them). The prompt's full blocks are shared
-    through the prefix cache when it is on."""
-    req.group = [req]
-    if req.n == 1:
-        return req.group
-    seed = req.params.seed
-    req.group = [dataclasses.replace(req, index=i, include_usage=False, token_ids=[], tokens=[], params=(
-        dataclasses.replace(req.params, seed=None if seed is None else (seed + i) % 2**64))) for i in range(req.n)]
-    for choice in req.group:
-        choice.group = req.group
-    return req.group
+def choices_of(reqs: list[ParsedRequest]) -> list[ParsedRequest]:
+    """The choices of a response, each its own engine request (given code): n per prompt (a completions request may
+    carry a list of prompts, as lm-evaluation-harness sends them), prompt k's sample i at index k * n + i. As vLLM's
+    n does, sample i's params are the prompt's with seed + i, so a seeded request gives n different samples that
+    repeat on re-run; every copy's params are their own object (LogprobTap tells the rows apart by them). A prompt's
+    full blocks are shared through the prefix cache when it is on. reqs[0] carries the response: group (every
+    choice) and prompt_tokens (every prompt)."""
+    head, seed = reqs[0], reqs[0].params.seed
+    if len(reqs) == 1 and head.n == 1:
+        head.group = [head]
+        return head.group
+    group = [dataclasses.replace(req, index=k * req.n + i, include_usage=False, token_ids=[], tokens=[], params=(
+        dataclasses.replace(req.params, seed=None if seed is None else (seed + i) % 2**64)))
+        for k, req in enumerate(reqs) for i in range(req.n)]
+    for choice in (head, *group):
+        choice.group = group
+    head.prompt_tokens = sum(len(req.prompt_ids) for req in reqs)
+    return group
 
 
 async def complete(engine: AsyncEngine, handles: list[Handle], req: ParsedRequest, model: str) -> dict:
@@ -452,7 +458,7 @@ DONE = "data: [DONE]\n\n"
 
 async def interleaved(engine: AsyncEngine, handles: list[Handle], req: ParsedRequest, model: str
                       ) -> AsyncIterator[str]:
-    """n > 1, streaming (given code): every choice's sse_frames at once, their frames in the order they come (each
+    """Several choices, streaming (given code): every choice's sse_frames at once, their frames in the order they come (each
     carries its choice's index); then one usage frame over every choice (if asked) and one [DONE]. A choice's
     error frame ends the whole stream."""
     frames: asyncio.Queue = asyncio.Queue()
@@ -543,18 +549,27 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     max_model_len = engine.llm.config.max_model_len
     parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parse")    # one thread: the tokenizer's only user
 
-    def parse(raw: bytes, chat: bool) -> ParsedRequest:
-        """On the parser thread: JSON (strict: no NaN, depth-bounded), then parse_request (template, tokenizer)."""
+    def parse(raw: bytes, chat: bool) -> list[ParsedRequest]:
+        """On the parser thread: JSON (strict: no NaN, depth-bounded), then parse_request (template, tokenizer) for
+        each prompt (completions: a list of strings or of token-id lists is several prompts), then output_options."""
         try:
             body = json.loads(raw, parse_constant=_no_constant)
         except (ValueError, RecursionError) as exc:    # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise RequestError(f"the body is not valid JSON: {str(exc)[:200]}", code="invalid_json") from None
-        req = parse_request(body, chat, engine.llm.tokenizer, model_name, max_model_len)
-        req.n, req.logprobs, req.echo = output_options(body, chat)
-        if req.echo:
-            tokenizer = engine.llm.tokenizer
-            req.prompt_text = tokenizer.decode(req.prompt_ids) if tokenizer is not None else ""
-        return req
+        prompts = body.get("prompt") if isinstance(body, dict) and not chat else None
+        bodies = [body]
+        if isinstance(prompts, list) and prompts and all(isinstance(p, (str, list)) for p in prompts):
+            bodies = [body | {"prompt": p} for p in prompts]
+        reqs = [parse_request(b, chat, engine.llm.tokenizer, model_name, max_model_len) for b in bodies]
+        n, logprobs, echo = output_options(body, chat)
+        if len(reqs) * n > MAX_CHOICES:
+            raise RequestError(f"{len(reqs)} prompts x n = {n} is more than {MAX_CHOICES} samples", "prompt")
+        for req in reqs:
+            req.n, req.logprobs, req.echo = n, logprobs, echo
+            if echo:
+                tokenizer = engine.llm.tokenizer
+                req.prompt_text = tokenizer.decode(req.prompt_ids) if tokenizer is not None else ""
+        return reqs
 
     def check_client(request: Request, body: bool) -> None:
         """401 without the API key; 415 unless the body is JSON (a text/plain POST needs no CORS preflight)."""
@@ -580,8 +595,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         try:
             check_client(request, body=True)
             raw = await _read_body(request, max_body_bytes)
-            req = await asyncio.get_running_loop().run_in_executor(parser, parse, raw, chat)
-            for choice in choices_of(req):                # n engine requests, admitted one by one
+            reqs = await asyncio.get_running_loop().run_in_executor(parser, parse, raw, chat)
+            req = reqs[0]                                 # the response's fields (stream, usage, group)
+            for choice in choices_of(reqs):               # n engine requests per prompt, admitted one by one
                 choices.append(choice)
                 if choice.logprobs is not None:
                     engine.tap.watch(choice)
@@ -597,7 +613,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         for handle in handles:
             in_flight[id(handle)] = handle
         if req.stream:
-            frames = sse_frames(engine, handles[0], req, model_name) if req.n == 1 else \
+            frames = sse_frames(engine, handles[0], req, model_name) if len(choices) == 1 else \
                 interleaved(engine, handles, req, model_name)
             return ReleasingStream(frames, done, media_type="text/event-stream")
         try:

@@ -119,10 +119,16 @@ PLANTS = [
           old="    if not all(isinstance(s, str) and s and _unicode(s, \"stop\") for s in stop):\n",
           new="    if not all(s and _unicode(s, \"stop\") for s in stop):\n",
           expect="stop 列表里的每一项都要查类型"),
-    Plant("message_content_unchecked", "每条消息的 content 没有查类型",
-          old="                    and isinstance(m.get(\"content\"), str) and set(m) <= {\"role\", \"content\", \"name\"}):\n",
-          new="                    and set(m) <= {\"role\", \"content\", \"name\"}):\n",
-          expect="每条消息的 content 都要查类型"),
+    Plant("messages_not_via_chat_message", "消息没有经过 chat_message",
+          old="        prompt = [chat_message(m, i) for i, m in enumerate(prompt)]\n",
+          new="        prompt = list(prompt)\n",
+          expect="chat_message"),
+    # issue 34 part 2: what evaluation and chat clients send
+    Plant("n_still_refused", "n > 1 仍被拒绝",
+          old="    options = body.get(\"stream_options\") or {}\n",
+          new="    if body.get(\"n\") not in (None, 1):\n        raise RequestError(\"only n = 1 is supported\", \"n\")\n"
+              "    options = body.get(\"stream_options\") or {}\n",
+          expect="n > 1 仍被拒绝"),
     Plant("include_usage_truthy", "include_usage 当成真值，没有查是不是 bool",
           old="    if options and (not body.get(\"stream\") or set(options) != {\"include_usage\"}\n"
               "                    or not isinstance(options[\"include_usage\"], bool)):\n",
