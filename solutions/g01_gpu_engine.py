@@ -594,6 +594,8 @@ def build_on_device(model, dtype: torch.dtype, device: torch.device, seed: int =
         dummy_weights_(built, seed)
         if quantization:
             use_fp8(built, act_fp8, quantize=True)
+    if quantization and device.type == "cuda":
+        torch.cuda.empty_cache()      # the replaced model-dtype weights: free for the KV cache (sized from mem_get_info)
     return built.eval(), tokenizer
 
 

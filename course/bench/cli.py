@@ -5,7 +5,7 @@
     ./check.sh bench --tp N [options]            the same workload at TP=N and TP=1 (engine.bench_tp)
     ./check.sh bench --workload multiturn ...    multi-turn chats, hybrid prefix caching off and on (multiturn.py, e07)
     ./check.sh bench --serve ...                 throughput and TTFT through HTTP (serve.py, e06)
-    ./check.sh bench k01|k02|k03|k04 ...         Track K's kernels (kernels.py, k03.py, k04.py)
+    ./check.sh bench k01|k02|k03|k04|k05 ...     Track K's kernels (kernels.py, k03.py, k04.py, k05.py)
     ./check.sh bench --help                      every workload, subcommand and option, one line each
 
 This module imports the workloads (inside the functions that run them, so that --help stays fast); the
@@ -22,7 +22,7 @@ from rich.cells import cell_len
 
 from .common import MODELS, REPLAYS, SPREAD_LIMIT
 
-KERNELS = ("k01", "k02", "k03", "k04")
+KERNELS = ("k01", "k02", "k03", "k04", "k05")
 # the defaults of the throughput workload that differ on the CPU smoke run (--device cpu): (GPU, CPU, what)
 ENGINE_DEFAULTS = {
     "num_seqs": (256, 4, "请求数"),
@@ -66,6 +66,9 @@ def parsers() -> dict[str, _Parser]:
                             help=f"{text}（默认 GPU {gpu}、CPU {cpu}）")
     engine.add_argument("--repeats", type=int, default=1, metavar="N",
                         help="计时跑 N 遍（每遍换 token）：中位数、最小–最大")
+    engine.add_argument("--dtype", choices=["bf16", "fp8", "w8a8"], default="bf16",
+                        help="权重：bf16（默认）；fp8：同形状的 dummy 权重按 128×128 块量化成 FP8（k05，weight-only）；"
+                             "w8a8：再把激活按 token 组量化")
     engine.add_argument("--max-num-seqs", type=int, default=256, metavar="N", help="引擎同时运行的序列上限（默认 256）")
     engine.add_argument("--max-model-len", type=int, default=4096, metavar="N", help="一条序列最长的 token 数（默认 4096）")
     engine.add_argument("--block-size", type=int, default=32, metavar="N", help="KV cache 每块的 token 数（默认 32）")
@@ -148,12 +151,13 @@ COMMANDS = [
     ("k02 [选项]", "paged attention，对照 torch SDPA（GPU）"),
     ("k03 [选项]", "fused MoE，对照 m03 与 grouped GEMM（GPU）"),
     ("k04 [选项]", "Gated DeltaNet kernel，对照 fla、HF（GPU）"),
+    ("k05 [选项]", "FP8 线性层与 FP8 MoE，对照 bf16 与 torch._scaled_mm（GPU）"),
 ]
 SECTIONS = [    # (parser keys, heading): options shared by several commands are listed once
     (("engine",), "引擎吞吐、--profile、--tp 的选项"),
     (("multiturn",), "--workload multiturn 的选项"),
     (("serve",), "--serve 的选项"),
-    (("k01", "k02", "k04"), "k01、k02、k04 的选项"),
+    (("k01", "k02", "k04", "k05"), "k01、k02、k04、k05 的选项"),
     (("k03",), "k03 的选项"),
 ]
 
@@ -210,6 +214,9 @@ def main(argv: list[str], say) -> int:
         if argv[0] == "k04":
             from .k04 import bench_k04
             return bench_k04(opts)
+        if argv[0] == "k05":
+            from .k05 import bench_k05
+            return bench_k05(opts)
         from .kernels import bench_kernel
         return bench_kernel(argv[0], opts)
     if "--serve" in argv:
@@ -231,6 +238,9 @@ def main(argv: list[str], say) -> int:
     cpu = opts.device == "cpu"
     if cpu and (opts.peer != "none" or opts.tp > 1 or opts.tp_run or opts.profile or opts.engine_run):
         ps["engine"].error("--device cpu 只跑引擎吞吐的冒烟测试，不能和 --peer hf、--tp、--profile 同用")
+    if opts.dtype != "bf16" and (cpu or opts.tp > 1 or opts.tp_run or opts.peer != "none"):
+        ps["engine"].error(f"--dtype {opts.dtype} 跑 k05 的 FP8 kernel：只在 GPU 上、TP=1，不能和 --device cpu、--tp、"
+                           "--peer hf 同用")
     for name, (gpu_default, cpu_default, _) in ENGINE_DEFAULTS.items():
         if getattr(opts, name) is None:
             setattr(opts, name, cpu_default if cpu else gpu_default)

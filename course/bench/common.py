@@ -80,7 +80,8 @@ def build_engine(args, prompts, tp: int = 1):
         llm = g01.LLM(hf_config(args.model), max_num_seqs=args.max_num_seqs, max_num_batched_tokens=16384,
                       max_model_len=args.max_model_len, block_size=args.block_size, enforce_eager=args.enforce_eager,
                       gpu_memory_utilization=0.9, tensor_parallel_size=tp,
-                      async_scheduling=False if getattr(args, "no_async_scheduling", False) else None)
+                      async_scheduling=False if getattr(args, "no_async_scheduling", False) else None,
+                      **({} if getattr(args, "dtype", "bf16") == "bf16" else {"quantization": args.dtype}))
     startup = time.perf_counter() - t0
     # warm-up: Triton compiles a kernel per specialisation on first use (~0.1-0.6 s each); give every path
     # one: short and long prompts, then more prompt tokens than one step takes so that a chunk continues

@@ -392,7 +392,8 @@ def bench(args, argv: list[str], say) -> int:
     else:
         results = [run_engine(args, prompts, out_lens)]
     where = "CPU" if cpu else torch.cuda.get_device_name()
-    table = Table(title=f"./check.sh bench --model {args.model}  ({where})" if not cpu else
+    weights = "" if getattr(args, "dtype", "bf16") == "bf16" else f" --dtype {args.dtype}"
+    table = Table(title=f"./check.sh bench --model {args.model}{weights}  ({where})" if not cpu else
                   "./check.sh bench --device cpu  (tiny dummy Qwen3 on the CPU: a smoke run, not a measurement)")
     for col in ("engine", "prompts", "output tok", "seconds", "output tok/s", "prefill tok/s", "decode tok/s",
                 "mean step ms", "decode step ms", "free GiB at start"):
@@ -455,7 +456,8 @@ def bench(args, argv: list[str], say) -> int:
                    workload=dict(model=eng["model"], device=args.device, num_seqs=args.num_seqs,
                                  max_input_len=args.max_input_len, max_output_len=args.max_output_len,
                                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                                 block_size=args.block_size, repeats=args.repeats),
+                                 block_size=args.block_size, repeats=args.repeats,
+                                 dtype=getattr(args, "dtype", "bf16")),
                    results=[{k: v for k, v in r.items() if k not in ("timeline", "run_timelines")} for r in results],
                    timelines=[[[round(x, 6) if isinstance(x, float) else x for x in step] for step in tl]
                               for tl in eng.get("run_timelines", [])],
