@@ -396,6 +396,10 @@ def test_dequantize_block_fp8():
         got = m.dequantize_block_fp8(stacked_q, stacked_s, (bn, bk), dtype=torch.bfloat16)
     assert got.dtype == torch.bfloat16, f"dequantize_block_fp8(..., dtype=torch.bfloat16) 应返回 bf16，得到 {got.dtype}"
     assert_close(got, want.to(torch.bfloat16), what=f"stacked experts [{experts}, {n}, {k}] 的 " + what, rand=r)
+    card = m.dequantize_block_fp8(torch.tensor([[1.0, 2], [3, 4], [5, 6]]).to(torch.float8_e4m3fn),
+                                  torch.tensor([[0.5], [2.0]]), (2, 2))
+    assert torch.equal(card, torch.tensor([[0.5, 1], [1.5, 2], [10, 12]])), \
+        f"卡片例子：dequantize_block_fp8(block=(2, 2)) 应得 [[0.5, 1], [1.5, 2], [10, 12]]，得到 {card.tolist()}"
 
 
 def _fp8_matches(family: str, r: Rand, block: tuple[int, int], config, hf_oracle: bool) -> None:
