@@ -1,4 +1,4 @@
-"""The kernel benches (k01-k04) end to end on the CPU: a dry run of their plumbing, not a measurement.
+"""The kernel benches (k01-k05) end to end on the CPU: a dry run of their plumbing, not a measurement.
 
 Each bench runs in a subprocess of this file (`python tests/test_bench_kernels_cpu.py k01 ...`) with tiny shapes,
 every tensor the bench puts on "cuda" put on the CPU, a stand-in for the CUDA timing calls (events read the host
@@ -110,7 +110,7 @@ def _fake_capture(torch):
 
 
 def _shrink() -> None:
-    from course.bench import common, k03, k04, kernels
+    from course.bench import common, k03, k04, k05, kernels
     common.ANCHOR_BYTES = 2**20
     kernels.K01 = dict(tokens=16, hidden=(32, 64), heads=2)
     kernels.K02 = dict(batch=2, context=(5, 40), prefill_tokens=32, prefill_seqs=(2, 4))
@@ -120,10 +120,13 @@ def _shrink() -> None:
     k04.PREFILL_SHAPES = [(1, 32, 1, 16), (2, 16, 1, 16)]
     k04.DECODE_BATCHES, k04.VERDICT_BATCH = [1, 3], 3
     k04.DECODE_LAYER = dict(nk=2, nv=4, dk=16, dv=16, K=4)
+    k05.LINEARS = [("tiny qkv", 160, 256), ("tiny o_proj", 64, 200)]
+    k05.TOKENS, k05.DECODE_MAX = (1, 4, 40), 4
+    k05.MOE, k05.MOE_BATCH = dict(name="Qwen3-30B-A3B", experts=4, top_k=2, hidden=64, inter=128), 8
 
 
 def _stand_ins(torch) -> None:
-    """select.load of k01-k04 returns the real module with its kernels replaced by cheap functions that first bind
+    """select.load of k01-k05 returns the real module with its kernels replaced by cheap functions that first bind
     their arguments to the real kernel's signature (a call the real kernel would refuse fails here too)."""
     import inspect
     import types
@@ -143,6 +146,11 @@ def _stand_ins(torch) -> None:
         B, T, H, D = v.shape
         return torch.empty_like(v), torch.zeros(B, H, q.shape[-1], D)
 
+    def fp8_linear(x, w_fp8, scale_inv):
+        n, k = w_fp8.shape
+        scale = scale_inv.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+        return (x.float() @ (w_fp8.float() * scale).T).to(x.dtype)
+
     def load(module):
         mod = real_load(module)
         cheap = {
@@ -150,7 +158,10 @@ def _stand_ins(torch) -> None:
             "k02_paged_attention": {name: (lambda q, *a, **kw: torch.empty_like(q)) for name in
                                     ("decode_attention", "flash_attention_varlen", "prefill_attention")},
             "k03_fused_moe": dict(fused_moe_forward=lambda x, w: bench_k03.grouped_torch_forward(
-                x, w, real_load("m03_sparse_moe"), bench_k03._grouped_mm())),
+                x, w, real_load("m03_sparse_moe"), bench_k03._grouped_mm()),
+                                  fused_experts=lambda x, *a, **kw: torch.zeros_like(x)),
+            "k05_fp8": dict(fp8_linear=fp8_linear, w8a8_linear=fp8_linear,
+                            fused_experts_fp8=lambda x, *a, **kw: torch.zeros_like(x)),
             "k04_gdn_kernels": dict(chunk_gated_delta_rule=chunk, gdn_decode=lambda *a, **kw: None),
         }.get(module)
         if not cheap:
@@ -181,7 +192,7 @@ def dry_runs(tmp_path_factory):
     """Each bench once, three replays a row."""
     tmp = tmp_path_factory.mktemp("kernels")
     found = {}
-    for bench, runs in (("k01", 1), ("k02", 1), ("k03", 1), ("k04", 1)):
+    for bench, runs in (("k01", 1), ("k02", 1), ("k03", 1), ("k04", 1), ("k05", 1)):
         for i in range(runs):
             path = tmp / f"{bench}-{i + 1}.json"
             out = _run(tmp, bench, "--solutions", "--replays", "3", "--json", str(path))
@@ -189,7 +200,7 @@ def dry_runs(tmp_path_factory):
     return found
 
 
-@pytest.mark.parametrize("bench", ["k01", "k02", "k03", "k04"])
+@pytest.mark.parametrize("bench", ["k01", "k02", "k03", "k04", "k05"])
 def test_every_row_has_its_median_and_spread(dry_runs, bench):
     from course.bench.common import VERDICTS
     for out, path in dry_runs[bench]:
@@ -296,3 +307,15 @@ def test_a_capture_that_syncs_with_the_host_falls_back_to_events(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(_dry_run(sys.argv[1:]))
+
+
+def test_k05_prints_every_linear_and_the_moe_row(dry_runs):
+    out, path = dry_runs["k05"][0]
+    data = json.loads(path.read_text(encoding="utf-8"))
+    rows = [r for r in data["rows"] if r.get("tokens") is not None]
+    assert {(r["shape"], r["tokens"]) for r in rows} == {(s, t) for s in ("tiny qkv", "tiny o_proj") for t in (1, 4, 40)}
+    assert all(("fp8 比 bf16 快" in r["verdicts"]) == (r["tokens"] <= 4) for r in rows), rows
+    assert all({"bf16", "w8a8"} <= set(r["others"]) for r in rows), rows
+    moe = [r for r in data["rows"] if r.get("experts_hit") is not None]
+    assert len(moe) == 1 and set(moe[0]["others"]) == {"k03 bf16", "fp8 act_fp8"}, moe
+    assert "FP8 MoE（weight-only）比 k03 的 bf16 快？" in out.stdout

@@ -107,6 +107,7 @@ CATALOGUE: list[Exercise] = [
     Exercise("k04", "gdn_kernels", "Triton：Gated DeltaNet 的递推 decode 与分块 prefill kernel", 150, "难"),
     Exercise("g01", "gpu_engine", "GPU 总装：decode 的 CUDA graphs、端到端校验与 benchmark", 120, "难", needs_gpu=True),
     Exercise("e07", "hybrid_prefix_cache", "混合模型的 prefix caching：Gated DeltaNet 状态快照", 90, "难"),
+    Exercise("k05", "fp8", "Triton：block-scaled FP8 权重的 GEMM 与 fused MoE（weight-only 与 w8a8）", 120, "难"),
 ]
 
 BY_ID = {e.id: e for e in CATALOGUE}
