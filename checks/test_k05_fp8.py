@@ -21,6 +21,11 @@ from checks import oracles
 from checks.kit import DEVICE, Rand, assert_close, assert_dtype, assert_equal, explain_crash, impl, point
 
 MODULE = "k05_fp8"
+# FP8 x FP8 dots: exact products, fp32 accumulation in the interpreter (1e-5 of |a|.|b|); on Hopper the FP8 tensor
+# cores accumulate inside one wgmma in a narrower register (about 14 mantissa bits: DeepSeek-V3 technical report,
+# section 3.3.2), and the kernels promote to fp32 once per 128-column K-tile. Measured on an H200 (2026-12-03):
+# 0.013 at 25.1 in a 280-wide w8a8 dot. 2e-3 of |a|.|b| covers that and still fails a wrong scale by orders.
+FP8_DOT_REL = 1e-5 if DEVICE.type == "cpu" else 2e-3
 FP8 = torch.float8_e4m3fn
 CRASHES = {
     "'NoneType' object has no attribute": "忘了 w.shared is None（Qwen3-MoE 没有 shared expert）时跳过",
@@ -259,6 +264,7 @@ def _check_linear(m, r: Rand, x, q, s, w8a8: bool) -> None:
             return fn(x_.to(DEVICE), q_.to(DEVICE), s_.to(DEVICE))
 
     out = run(x, q, s)
+    rel = FP8_DOT_REL if w8a8 else 1e-5
     looks = [(a @ q.double().T, "没有乘 block scale（FP8 的值直接当权重用）")]
     if w8a8:
         looks.append((xq.double() @ w.T, "w8a8 没有乘 x_scale（只乘了权重的 scale）"))
@@ -272,10 +278,10 @@ def _check_linear(m, r: Rand, x, q, s, w8a8: bool) -> None:
     def padded_right() -> bool:
         kp = -(-q.shape[1] // 128) * 128
         xp, qp = F.pad(x, (0, kp - x.shape[1])), F.pad(q.float(), (0, kp - q.shape[1])).to(FP8)
-        return _passes(lambda: _assert_fp32(run(xp, qp, s), ref, bound, what=where, r=r, rel=1e-5 if not w8a8 else 1e-5))
+        return _passes(lambda: _assert_fp32(run(xp, qp, s), ref, bound, what=where, r=r, rel=rel))
 
     with _hint_if(unit_scales_right, M_SCALE_INDEX), _hint_if(padded_right, M_K_TAIL):
-        _assert_fp32(out, ref, bound, what=where, r=r, looks_like=looks)
+        _assert_fp32(out, ref, bound, what=where, r=r, rel=rel, looks_like=looks)
     assert_dtype(out, x.dtype, what=f"{name} 的输出")
 
 
@@ -398,7 +404,7 @@ def test_moe_act_fp8_launchers():
     gb = torch.einsum("ph,pih->pi", xd[tokens].abs(), wg.abs())
     ub = torch.einsum("ph,pih->pi", xd[tokens].abs(), wu.abs())
     _assert_fp32(h, F.silu(g) * u, gb * (1 + gb.abs()) * ub, what="gate_up_fp8（x 是 FP8，x_scale [N, ⌈H/128⌉]）", r=r,
-                 looks_like=[(F.silu(torch.einsum("ph,pih->pi", xq.double()[tokens], wg))
+                 rel=FP8_DOT_REL, looks_like=[(F.silu(torch.einsum("ph,pih->pi", xq.double()[tokens], wg))
                               * torch.einsum("ph,pih->pi", xq.double()[tokens], wu),
                               "FP8×FP8 的 dot 之后没有乘 x_scale"),
                              (F.silu(torch.einsum("ph,pih->pi", xd[tokens], sw_g)) * torch.einsum("ph,pih->pi", xd[tokens], sw_u),
@@ -413,7 +419,7 @@ def test_moe_act_fp8_launchers():
     wd = _dequant(c["w_down"], c["s_down"]).double()[ids]
     ref = torch.einsum("pi,phi->ph", hd, wd) * wts.double()[:, None]
     bound = torch.einsum("pi,phi->ph", hd.abs(), wd.abs()) * wts.double()[:, None]
-    _assert_fp32(y, ref, bound, what="down_fp8（h 是 FP8，h_scale [M, ⌈I/128⌉]）", r=r,
+    _assert_fp32(y, ref, bound, what="down_fp8（h 是 FP8，h_scale [M, ⌈I/128⌉]）", r=r, rel=FP8_DOT_REL,
                  looks_like=[(torch.einsum("pi,phi->ph", hq.double(), wd) * wts.double()[:, None],
                               "FP8×FP8 的 dot 之后没有乘 h_scale")])
 
@@ -434,10 +440,11 @@ def test_fused_experts_act_fp8():
     q = hq.double()
     exp = torch.floor(torch.log2(q.abs().clamp_min(2.0 ** -6)))
     spacing = 2.0 ** (exp - 3)                                              # e4m3 spacing at q (2^-9 below 2^-6)
-    near_mid = ((v - q).abs() - spacing / 2).abs() <= 1e-4 * spacing
+    window = 1e-4 if DEVICE.type == "cpu" else 2e-2        # h's error on a GPU: FP8_DOT_REL, ~1e-2 of a spacing
+    near_mid = ((v - q).abs() - spacing / 2).abs() <= window * spacing
     flip = (spacing * hs.double().repeat_interleave(128, -1)[:, :i] * near_mid).view(n, k, i)
     wd = _dequant(c["w_down"], c["s_down"]).double()[c["ids"]]
-    tol = (torch.einsum("nki,nkhi->nkh", flip, wd.abs()) * c["weights"].double()[..., None]).sum(1) + 1e-5 * bound
+    tol = (torch.einsum("nki,nkhi->nkh", flip, wd.abs()) * c["weights"].double()[..., None]).sum(1) + FP8_DOT_REL * bound
     weight_only = _moe_oracle(c, act_fp8=True, no_h_quant=True)[0]
     no_quant = _moe_oracle(c)[0]
     _assert_fp32(out, ref, tol, what="fused_experts_fp8（act_fp8=True）", r=r, rel=1.0,
@@ -539,9 +546,11 @@ def test_real_shapes_cuda():
             out = m.fused_experts_fp8(x, q_gu[:, :inter], q_gu[:, inter:], q_d, s_gu[:, :ni], s_gu[:, ni:], s_d,
                                       weights, ids, act_fp8=act)
             assert_dtype(out, torch.bfloat16, what="bf16 输入时 fused_experts_fp8 的输出")
-            xf = x.float()
-            g, u = torch.einsum("nh,nkih->nki", xf, wg[ids]), torch.einsum("nh,nkih->nki", xf, wu[ids])
-            exact = (torch.einsum("nki,nkhi->nkh", F.silu(g) * u, wdn[ids]) * weights.float()[..., None]).sum(1)
+            xf, exact = x.float(), torch.zeros(n_tok, hidden, device="cuda")
+            for e in ids.unique().tolist():                                 # per expert: no [N, k, I, H] gather
+                tok, slot = (ids == e).nonzero(as_tuple=True)
+                h = F.silu(xf[tok] @ wg[e].T) * (xf[tok] @ wu[e].T)
+                exact.index_add_(0, tok, (h @ wdn[e].T) * weights.float()[tok, slot, None])
             err = (out.float() - exact).abs().max().item()
             scale = exact.abs().max().item()
             limit = 0.08 * scale if act else 0.01 * scale   # act_fp8: e4m3 activations (~2-4 %), else bf16 roundings
