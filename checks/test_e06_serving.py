@@ -413,7 +413,7 @@ BAD = [  # (what, endpoint, body, the field the error must name, the classic mis
      {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs", None,
      None),
     ("chat 里的 echo", "chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo",
-     None, "unknown_parameter"),
+     "未知字段被悄悄忽略", "unknown_parameter"),
     ("stop 是数字", "completions", {"prompt": "hi", "stop": 5}, "stop", None, "invalid_type"),
     ("stop 是空字符串", "completions", {"prompt": "hi", "stop": ""}, "stop", EMPTY_STOP, None),
     ("stop 列表里有数字", "completions", {"prompt": "hi", "stop": ["x", 5]}, "stop",
@@ -1371,8 +1371,9 @@ def _close(what: str, got: list, want, r: Rand, tol: float = 2e-4) -> None:
        "相同；echo 给出 prompt 每个 token 的 logprob（prefix cache 命中时也是），流式逐帧给出")
 def test_logprobs_match_hf():
     import torch
+    _probe()
     for family in ("qwen3", "qwen3_5_text"):
-        url, hf, r0 = _hf_server(family)
+        url, hf, _ = _hf_server(family)
         r, client = Rand(), _client(url)
         prompt = [r.int(0, 255) for _ in range(r.int(34, 60))]
         for attempt, stream in ((0, False), (1, r.choice([False, True]))):   # the second one hits the prefix cache

@@ -17,8 +17,8 @@ PLANTS = [
           new="",
           expect="没有 abort 引擎里的请求"),
     Plant("unary_disconnect_unnoticed", "非流式请求的客户端断开没有被发现",
-          old="        return await _unless_disconnected(request, complete(engine, handle, req, model_name))\n",
-          new="        return JSONResponse(await complete(engine, handle, req, model_name))\n",
+          old="            return await _unless_disconnected(request, complete(engine, handles, req, model_name))\n",
+          new="            return JSONResponse(await complete(engine, handles, req, model_name))\n",
           expect="非流式请求的客户端断开没有被发现"),
     Plant("rejected_request_counted", "被 503 拒绝的请求也占了名额",
           old="        if self.pending >= self.max_pending:\n"
@@ -79,8 +79,8 @@ PLANTS = [
           new="        for _ in range(1):\n            try:\n                kind, handle = self.commands.get_nowait()",
           expect="没有一次取完"),
     Plant("tokenize_on_event_loop", "在事件循环上 tokenize",
-          old="            req = await asyncio.get_running_loop().run_in_executor(parser, parse, raw, chat)\n",
-          new="            req = parse(raw, chat)\n",
+          old="            reqs = await asyncio.get_running_loop().run_in_executor(parser, parse, raw, chat)\n",
+          new="            reqs = parse(raw, chat)\n",
           expect="在事件循环上 tokenize"),
     Plant("no_length_check_before_tokenizer", "tokenize 之前没有按字符数挡住超长的 prompt",
           old="        if len(_unicode(prompt, key)) > max_model_len * longest_token(tokenizer):\n"
