@@ -1,7 +1,7 @@
 """Appendix A of the book is derived from the cards: `python -m course.book` rewrites book/appendix-a/a-N.md.
 
 The card's `<details>` hint blocks are the single source. A-N does not copy them: it links to each level in the
-card (the book build gives the blocks the anchors hint-l1..hint-l3). A selftest checks the appendix is current.
+card (the book build gives the blocks the anchors hint-l1..hint-l3, and hint-lN-2... to a level's later blocks). A selftest checks the appendix is current.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ def hint_page(ex: registry.Exercise) -> str:
              f"一级比一级剧透得多；卡住十分钟以上再往下翻一级。命令行里一次只看一级："
              f"`./check.sh hint {ex.id} --level 1|2|3`。\n"]
     for level in (1, 2, 3):
-        summary = cards.hint(ex, level).split("\n", 1)[0].strip("* ")
-        parts.append(f"- [{summary}]({card}#hint-l{level})")
+        blocks = [summary for summary in cards.hint_summaries(ex) if cards.level_of(summary) == level]
+        for k, summary in enumerate(blocks):
+            parts.append(f"- [{summary}]({card}#{cards.hint_anchor(level, k)})")
     parts.append(f"\n参考解的逐段讲解见 [附录 {ex.solution_ref}](../appendix-c/c-{ex.number}.md)。\n\n"
                  f"<!-- 本页由 `python -m course.book` 从卡片生成，请改卡片而不是本页。 -->")
     return "\n".join(parts) + "\n"

@@ -19,13 +19,27 @@ _BLOCK = re.compile(r'<div class="arithmatex">\\\[(.*?)\\\]</div>', re.S)
 _cache: dict[tuple[str, bool], str] = {}
 
 
-def _details(m: re.Match) -> str:
-    """`<details markdown="1">` so the hint's Markdown is rendered. Hints L1-L3 get anchors hint-l1..l3 (an empty
+def hint_anchor(level: int, k: int) -> str:
+    """The id of the k-th (from 0) `<details>` block of hint level `level` on a card: hint-l2, then hint-l2-2, ...
+    (the same format as course.grader.cards.hint_anchor: mkdocs loads this file on its own)."""
+    return f"hint-l{level}" if k == 0 else f"hint-l{level}-{k + 1}"
+
+
+def _details_sub(markdown: str) -> str:
+    """`<details markdown="1">` so the hint's Markdown is rendered. Hint blocks get anchors (hint_anchor; an empty
     <sup>; on_post_build gives them the page prefix the print page puts on links)."""
-    summary = re.sub(r"<[^>]+>", "", m.group(2)).strip()
-    level = re.match(r"L([123])\b", summary)
-    anchor = f'<sup id="hint-l{level.group(1)}" class="hint-anchor"></sup>\n' if level else ""
-    return f'{anchor}<details markdown="1">{m.group(1)}'
+    seen: dict[str, int] = {}
+
+    def one(m: re.Match) -> str:
+        summary = re.sub(r"<[^>]+>", "", m.group(2)).strip()
+        level = re.match(r"L([123])\b", summary)
+        anchor = ""
+        if level:
+            k = seen[level.group(1)] = seen.get(level.group(1), -1) + 1
+            anchor = f'<sup id="{hint_anchor(int(level.group(1)), k)}" class="hint-anchor"></sup>\n'
+        return f'{anchor}<details markdown="1">{m.group(1)}'
+
+    return _DETAILS_OPEN.sub(one, markdown)
 
 
 # A cross-reference in running text: `附录 A-3` / `附录 C-3` / `附录 H-2`, or a chapter `§M.3` (with the card header's
@@ -90,7 +104,7 @@ def _link_cards(markdown: str, src: str) -> str:
 
 @event_priority(100)      # before the print-site plugin copies the page
 def on_page_markdown(markdown: str, page=None, config=None, files=None, **kwargs) -> str:
-    markdown = _DETAILS_OPEN.sub(_details, markdown)
+    markdown = _details_sub(markdown)
     if page is not None and not page.file.src_uri.startswith("lessons/"):
         markdown = _link_cards(markdown, page.file.src_uri)
     if page is not None and config is not None and files is not None:

@@ -20,11 +20,28 @@ def text(exercise: Exercise) -> str:
 
 
 def hint(exercise: Exercise, level: int) -> str:
-    """The body of the `<details>` block whose summary starts with L<level>."""
-    for summary, body in _DETAILS.findall(text(exercise)):
-        if re.sub(r"<[^>]+>", "", summary).strip().startswith(f"L{level}"):
-            return f"**{re.sub(r'<[^>]+>', '', summary).strip()}**\n\n{body.strip()}\n"
-    raise KeyError(f"{exercise.card.name} 没有 L{level} 提示")
+    """The bodies of the `<details>` blocks whose summary starts with L<level>, in card order (a card may fold part of
+    another section at a level too, e.g. e07's 易错点, which name the rules the learner is asked to design, at L2)."""
+    found = [f"**{re.sub(r'<[^>]+>', '', summary).strip()}**\n\n{body.strip()}\n"
+             for summary, body in _DETAILS.findall(text(exercise)) if _level(summary) == level]
+    if not found:
+        raise KeyError(f"{exercise.card.name} 没有 L{level} 提示")
+    return "\n".join(found)
+
+
+def hint_summaries(exercise: Exercise) -> list[str]:
+    """The summaries of the card's `<details>` blocks, tags removed, in card order."""
+    return [re.sub(r"<[^>]+>", "", summary).strip() for summary, _ in _DETAILS.findall(text(exercise))]
+
+
+def hint_anchor(level: int, k: int) -> str:
+    """The book's id of the k-th (from 0) `<details>` block of hint level `level` on a card: hint-l2, hint-l2-2, ...
+    (course/book/hooks.py gives the blocks these ids; it is loaded by mkdocs on its own and repeats this format)."""
+    return f"hint-l{level}" if k == 0 else f"hint-l{level}-{k + 1}"
+
+
+def level_of(summary: str) -> int | None:
+    return _level(summary)
 
 
 def _level(summary: str) -> int | None:
