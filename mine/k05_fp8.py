@@ -71,7 +71,7 @@ def quantize_act_fp8(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor,
     raise NotImplementedError("k05: 请实现 quantize_act_fp8（见 lessons/k05_fp8.md）")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])   # the token count changes every prefill step: no recompile
 def _fp8_linear_kernel(x_ptr, w_ptr, ws_ptr, xs_ptr, y_ptr, T, N, K,
                        stride_xt, stride_xk, stride_wn, stride_wk, stride_wsn, stride_wsk, stride_xst,
                        stride_yt, stride_yn,

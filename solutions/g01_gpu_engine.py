@@ -756,18 +756,24 @@ class GPUModelRunner(ModelRunner):
 
     @torch.inference_mode()
     def _warm_up_moe(self, max_tokens: int) -> None:
-        """Run one MoE layer at 1, 2, 4, ..., max_tokens tokens before serving starts. k03 picks its tile size from the
+        """Run one MoE layer (and each FP8 linear shape) at 1, 2, 4, ..., max_tokens tokens before serving starts. k03 picks its tile size from the
         token count and Triton compiles a kernel per tile size (0.1-1 s each): without this, the first step of each size
         class pays that compile while serving (seen on the H200: three k03 kernels compiled inside a timed multiturn
         run). Each of k03's size classes (pick_block_m) spans at least a factor of 2 in tokens: the powers of 2 reach all."""
-        moe = next((layer.mlp for layer in self.model.model.layers if isinstance(layer.mlp, KernelMoE)), None)
-        if moe is None:
-            return
-        hidden = self.model.config.hidden_size
         gen = torch.Generator(device=self.device).manual_seed(0)          # leaves torch's global RNG untouched
+        # k05's FP8 linears pick their tiles from the token count too: one of each distinct shape (a prefill above 256
+        # tokens compiled _fp8_linear_kernel inside a timed H200 run before this)
+        shapes = {(m.in_features, tuple(m.shard_rows), m.act_fp8): m for m in self.model.modules()
+                  if isinstance(m, FP8Linear)}
+        moe = next((layer.mlp for layer in self.model.model.layers if isinstance(layer.mlp, KernelMoE)), None)
+        hidden = self.model.config.hidden_size
         n = 1
-        while True:                                                       # .eager: no TP hooks, no collectives
-            moe.eager(torch.randn(min(n, max_tokens), hidden, generator=gen, device=self.device).to(self.dtype))
+        while shapes or moe is not None:                                  # .eager: no TP hooks, no collectives
+            for linear in shapes.values():
+                linear(torch.randn(min(n, max_tokens), linear.in_features, generator=gen,
+                                   device=self.device).to(self.dtype))
+            if moe is not None:
+                moe.eager(torch.randn(min(n, max_tokens), hidden, generator=gen, device=self.device).to(self.dtype))
             if n >= max_tokens:
                 break
             n *= 2

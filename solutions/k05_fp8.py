@@ -94,7 +94,7 @@ def quantize_act_fp8(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor,
     return q, s
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])   # the token count changes every prefill step: no recompile
 def _fp8_linear_kernel(x_ptr, w_ptr, ws_ptr, xs_ptr, y_ptr, T, N, K,
                        stride_xt, stride_xk, stride_wn, stride_wk, stride_wsn, stride_wsk, stride_xst,
                        stride_yt, stride_yn,
