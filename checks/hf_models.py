@@ -209,14 +209,20 @@ def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int])
 
 def fp8_tensors(state: dict[str, torch.Tensor], block: tuple[int, int]
                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """An on-disk state dict (per-expert keys) -> (the FP8 checkpoint's tensors, the same weights dequantized).
+    """An on-disk state dict -> (the FP8 checkpoint's tensors, the same weights dequantized). Fused expert tensors
+    (`experts.gate_up_proj` [E, 2I, H], hub layout) are quantized expert by expert: scale_inv [E, grid rows, cols].
 
     As Qwen's FP8 checkpoints: every linear `X.weight` of attention, MLP, experts, shared expert and Gated
     DeltaNet becomes float8 + `X.weight_scale_inv`; embeddings, norms, router (mlp.gate), shared_expert_gate,
     conv1d and lm_head stay as they are."""
     tensors, dequantized = {}, {}
     for key, t in state.items():
-        if key.endswith(".weight") and t.dim() == 2 and not any(s in key for s in FP8_SKIPPED):
+        if re.fullmatch(r".*\.experts\.(gate_up|down)_proj", key):     # fused experts (hub layout): expert by expert
+            pairs = [fp8_quantize(w, block) for w in t]
+            tensors[key] = torch.stack([q for q, _ in pairs])
+            tensors[key + "_scale_inv"] = torch.stack([scale for _, scale in pairs])
+            dequantized[key] = torch.stack([fp8_dequantize(q, scale, block) for q, scale in pairs])
+        elif key.endswith(".weight") and t.dim() == 2 and not any(s in key for s in FP8_SKIPPED):
             q, scale = fp8_quantize(t, block)
             tensors[key], tensors[key + "_scale_inv"] = q, scale
             dequantized[key] = fp8_dequantize(q, scale, block)

@@ -237,7 +237,7 @@ def test_tied_embeddings():
                  what="tied embeddings、checkpoint 里仍带 lm_head.weight 时的 logits", rand=r, atol=1e-4, rtol=1e-4)
 
 
-@point("Qwen3.5 hub 布局：model.language_model. 前缀、忽略 visual / mtp、fused expert 张量")
+@point("Qwen3.5 hub 布局：model.language_model. 前缀、忽略 visual / mtp、fused expert 张量（bf16 与 FP8 各一次）")
 def test_qwen3_5_hub_layout():
     m = impl(MODULE)
     r = Rand()
@@ -255,6 +255,46 @@ def test_qwen3_5_hub_layout():
     seqs, ids, positions, lengths = _packed(r, config.vocab_size)
     assert_close(_our_logits(m, model, r, seqs, ids, positions, lengths), hf_models.hf_logits(hf, seqs),
                  what="Qwen3.5-MoE（hub 布局）的 logits", rand=r, atol=1e-4, rtol=1e-4)
+    # the same layout in block-FP8: the fused experts [E, 2I, H] quantized expert by expert, scale_inv [E, rows, cols]
+    block = r.choice([(16, 8), (8, 16)])
+    fp8, dequantized = hf_models.fp8_tensors(hf.state_dict(), block)
+    tensors = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: t for k, t in fp8.items()}
+    wrapper.quantization_config = hf_models.fp8_quantization_config(block)
+    with tempfile.TemporaryDirectory() as d:
+        hf_models.write_checkpoint(Path(d), wrapper, tensors)
+        model = _load(m, Path(d))
+    hf.load_state_dict(dequantized)
+    assert_close(_our_logits(m, model, r, seqs, ids, positions, lengths), hf_models.hf_logits(hf, seqs),
+                 what=f"Qwen3.5-MoE（hub 布局，FP8，fused experts 按 expert 量化，block {list(block)}）的 logits",
+                 rand=r, atol=1e-4, rtol=1e-4)
+
+
+@point("参数带 weight_loader（m07 的张量并行层）时，加载器把整个 checkpoint 张量交给它、按它返回的个数计数")
+def test_weight_loader_params():
+    m = impl(MODULE)
+    r = Rand()
+    config = hf_models.tiny_config("qwen3", r)
+    hf = hf_models.hf_model("qwen3", config, r)
+    model = m.build_model(config)
+    calls = []
+
+    def keep_all(param, tensor, shard):                  # a stand-in for m07's loader: keeps the whole tensor
+        calls.append((param.shape, tuple(shard)))
+        param.data.copy_(tensor)
+        return tensor.numel()
+    names = ["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight", "model.layers.0.self_attn.o_proj.weight"]
+    params = dict(model.named_parameters())
+    for name in names:
+        params[name].weight_loader = keep_all
+    with tempfile.TemporaryDirectory() as d:
+        hf_models.save_hf(hf, Path(d))
+        with explain_crash(LOAD_MISTAKES):
+            m.load_checkpoint(model, d)
+    assert sorted((tuple(s), sh) for s, sh in calls) == sorted((tuple(params[n].shape), ()) for n in names), \
+        f"带 weight_loader 的 {names} 应各收到一次整个 checkpoint 张量（shard ()），实际调用：{calls}"
+    seqs, ids, positions, lengths = _packed(r, config.vocab_size)
+    assert_close(_our_logits(m, model, r, seqs, ids, positions, lengths), hf_models.hf_logits(hf, seqs),
+                 what="部分参数带 weight_loader 时的 logits", rand=r, atol=1e-4, rtol=1e-4)
 
 
 def _broken(m, r: Rand, edit, fp8_block: tuple[int, int] | None = None) -> str:
