@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from checks import oracles
-from checks.kit import DEVICE, Rand, assert_close, assert_dtype, assert_equal, explain_crash, impl, point
+from checks.kit import DEVICE, GuardedAlloc, Rand, assert_close, assert_dtype, assert_equal, explain_crash, impl, point
 
 MODULE = "k05_fp8"
 # FP8 x FP8 dots: exact products, fp32 accumulation in the interpreter (1e-5 of |a|.|b|); on Hopper the FP8 tensor
@@ -33,6 +33,7 @@ CRASHES = {
 }
 M_SCALE_INDEX = ("block scale 用错了：每个 K-tile（BLOCK_K 整除 128）的部分和乘这个 tile 的 scale，行号 n // 128、"
                  "列号 k0 // 128，stride 从 scale_inv.stride() 取；所有 scale 换成 1 时结果是对的")
+M_STORE_MASK = "store 的 mask 没有把 T、N 的尾部挡住（offs_m < T、offs_n < N）：越界写会破坏别的张量"
 M_K_TAIL = ("K 维的尾部没有 mask 对：K 大于 BLOCK_K 且不是它的整数倍时，最后一次循环只剩 K − k0 列"
             "（mask 是 offs_k < K − k0），多读的列属于下一行")
 
@@ -171,6 +172,7 @@ def test_quantize_block():
     for shape in ((128 + r.int(1, 60), 256 + r.int(1, 100)), (r.int(2, 3), r.int(20, 140), r.int(130, 200))):
         w = r.randn(*shape) * _spread(r, *shape[:-2], 1, shape[-1])          # columns of very different sizes
         w.view(-1, *shape[-2:])[0, :128, :128] = 0                           # an all-zero block
+        w.view(-1, *shape[-2:])[0, :128, 128:256] *= 1e-4 / w.view(-1, *shape[-2:])[0, :128, 128:256].abs().max()
         with explain_crash(CRASHES):
             q, s = m.quantize_block_fp8(w.to(DEVICE))
         where = f"（w 的形状 {list(shape)}）"
@@ -207,6 +209,7 @@ def test_quantize_act():
     rows, k = r.int(3, 9), 128 * r.int(1, 2) + r.choice([5, 37, 90])
     base = r.randn(rows + 1, k + 16) * _spread(r, rows + 1, 1)              # rows of very different sizes
     base[1, 128:256] = 0                                                    # an all-zero group
+    base[:, k:] = 1e6                                                       # past the row's end: a read shows in amax
     x = base[:rows, :k]                                                     # a strided view: stride(0) = k + 16
     with explain_crash(CRASHES):
         q, s = m.quantize_act_fp8(x.to(DEVICE))
@@ -241,8 +244,14 @@ def test_quantize_act():
                  looks_like=_rounding_hint(got, x / s.repeat_interleave(128, -1)[:, :k]))
 
 
-def _linear_case(r: Rand, num_tokens: int):
+def _linear_case(r: Rand, num_tokens: int, k_whole: bool = False, k_small: bool = False, k_one: bool = False):
     n, k = 128 + r.choice([8, 40, 72]), 256 + r.choice([24, 56, 100])      # neither a multiple of 128, 3 K blocks
+    if k_whole:
+        k = 256                                                             # whole K-tiles: the unmasked-K path
+    if k_small:
+        k = r.choice([40, 72, 100])                                         # K < BLOCK_K: one partial K-tile
+    if k_one:
+        k = 257                                                             # the last K-tile holds one column
     q, s = _fp8_weight(r, n, k)
     base = r.randn(num_tokens, k + 8)
     return base[:, :k], q, s                                                # x is a strided view
@@ -263,7 +272,12 @@ def _check_linear(m, r: Rand, x, q, s, w8a8: bool) -> None:
         with explain_crash(CRASHES):
             return fn(x_.to(DEVICE), q_.to(DEVICE), s_.to(DEVICE))
 
-    out = run(x, q, s)
+    alloc = GuardedAlloc()
+    with alloc:
+        out = run(x, q, s)
+    if alloc.overran():
+        raise AssertionError(f"{where} 写到了输出张量的末尾之外（输出后面的哨兵 NaN 被改写）；{r}\n"
+                             f"  看起来像易错点：{M_STORE_MASK}")
     rel = FP8_DOT_REL if w8a8 else 1e-5
     looks = [(a @ q.double().T, "没有乘 block scale（FP8 的值直接当权重用）")]
     if w8a8:
@@ -285,20 +299,21 @@ def _check_linear(m, r: Rand, x, q, s, w8a8: bool) -> None:
     assert_dtype(out, x.dtype, what=f"{name} 的输出")
 
 
-@point("fp8_linear（weight-only）= x @ dequantize(w)ᵀ（fp32 累加误差）：T=1 与更大的 T，N、K 不是 128 的倍数，scale 跨 6 个数量级，全零 block")
+@point("fp8_linear（weight-only）= x @ dequantize(w)ᵀ（fp32 累加误差）：T=1 与更大的 T，K 小于、等于、不是 128 的倍数，scale 跨 6 个数量级，全零 block")
 def test_fp8_linear():
     m = impl(MODULE)
     r = Rand()
-    for num_tokens in (1, r.int(2, 15), r.int(17, 40)):
-        _check_linear(m, r, *_linear_case(r, num_tokens), w8a8=False)
+    for num_tokens, k_whole, k_small, k_one in ((1, False, False, False), (r.int(2, 15), True, False, False),
+                                                (r.int(2, 15), False, True, False), (r.int(17, 40), False, False, True)):
+        _check_linear(m, r, *_linear_case(r, num_tokens, k_whole, k_small, k_one), w8a8=False)
 
 
 @point("w8a8_linear = 量化-反量化后的 x @ dequantize(w)ᵀ（fp32 累加误差）")
 def test_w8a8_linear():
     m = impl(MODULE)
     r = Rand()
-    for num_tokens in (1, r.int(17, 40)):
-        x, q, s = _linear_case(r, num_tokens)
+    for num_tokens, k_whole in ((1, True), (r.int(17, 40), False)):
+        x, q, s = _linear_case(r, num_tokens, k_whole)
         x = x * _spread(r, num_tokens, 1)                                   # tokens of very different sizes
         _check_linear(m, r, x, q, s, w8a8=True)
 
@@ -347,13 +362,20 @@ def _run_moe(m, c: dict, act_fp8: bool, **over):
                                                                   "s_down", "weights", "ids")), act_fp8=act_fp8)
 
 
-@point("fused_experts_fp8（weight-only）= 反量化权重上的 MoE：H、I 不是 128 的倍数，N=1，gate/up 与 scale 是 strided view")
+@point("fused_experts_fp8（weight-only）= 反量化权重上的 MoE：N·k = 1 与更大，H、I 是与不是 128 的倍数，gate/up 与 scale 是 strided view")
 def test_fused_experts_fp8():
     m = impl(MODULE)
     r = Rand()
     for n_tok in (1, r.int(5, 12)):
-        c = _moe_case(r, 128 + r.choice([8, 24, 40]), 128 + r.choice([16, 56]), r.int(4, 6), n_tok)
-        out = _run_moe(m, c, False)
+        # N = 1 with whole K-tiles (H = 256, I = 128: the unmasked-K path), else K tails in both GEMMs
+        hidden, inter = (256, 128) if n_tok == 1 else (128 + r.choice([8, 24, 40]), 128 + r.choice([16, 56]))
+        c = _moe_case(r, hidden, inter, r.int(4, 6), n_tok, k=1 if n_tok == 1 else 2)   # N·k = 1: a single pair
+        alloc = GuardedAlloc()
+        with alloc:
+            out = _run_moe(m, c, False)
+        if alloc.overran():
+            raise AssertionError(f"fused_experts_fp8（N={n_tok}）写到了某个中间张量的末尾之外（哨兵 NaN 被改写）；{r}\n"
+                                 "  看起来像易错点：pad 条目或 N 的尾部没有 mask（store 要用 pairs < N·k 与 offs_n < N）")
         ref, _, bound = _moe_oracle(c)
         looks = [(_moe_oracle(c, swap=True)[0], "s_gate 和 s_up 用反了")]
 
@@ -384,7 +406,7 @@ def test_moe_act_fp8_launchers():
     m03 = impl("k03_fused_moe")
     r = Rand()
     experts, k, n_tok = r.int(4, 6), 2, r.int(4, 9)
-    c = _moe_case(r, 128 + r.choice([24, 40]), 128 + r.choice([16, 56]), experts, n_tok, k)
+    c = _moe_case(r, 129, 129, experts, n_tok, k)                            # one column in the last K-tile
     num_pairs, inter, hidden = n_tok * k, c["w_gate"].shape[1], c["x"].shape[1]
     block_m = 16
     sorted_ids, expert_ids, num_post = m03.moe_align_block_size(c["ids"].to(DEVICE), experts, block_m)
@@ -422,6 +444,43 @@ def test_moe_act_fp8_launchers():
     _assert_fp32(y, ref, bound, what="down_fp8（h 是 FP8，h_scale [M, ⌈I/128⌉]）", r=r, rel=FP8_DOT_REL,
                  looks_like=[(torch.einsum("pi,phi->ph", hq.double(), wd) * wts.double()[:, None],
                               "FP8×FP8 的 dot 之后没有乘 h_scale")])
+
+
+@point("num_tokens_post_padded 之后的 block 直接返回（那里的 sorted_ids / expert_ids 是任意值时结果不变）")
+def test_blocks_past_num_post():
+    m = impl(MODULE)
+    m03 = impl("k03_fused_moe")
+    r = Rand()
+    experts, k, n_tok, block_m = r.int(4, 6), 2, r.int(3, 8), 16
+    c = _moe_case(r, 136, 144, experts, n_tok, k)
+    num_pairs, inter, hidden = n_tok * k, 144, 136
+    sorted_ids, expert_ids, num_post = (t.cpu() for t in m03.moe_align_block_size(c["ids"].to(DEVICE), experts, block_m))
+    used = int(num_post.item())
+    sorted_ids[used:] = torch.randint(0, num_pairs, (sorted_ids.numel() - used,), generator=r.gen).int()
+    expert_ids[used // block_m:] = torch.randint(0, experts, (expert_ids.numel() - used // block_m,), generator=r.gen).int()
+    h = torch.zeros(num_pairs, inter, device=DEVICE)
+    y = torch.zeros(num_pairs, hidden, device=DEVICE)
+    dev = {n: c[n].to(DEVICE) for n in ("x", "w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down")}
+    with explain_crash(CRASHES):
+        m.gate_up_fp8(dev["x"], None, dev["w_gate"], dev["w_up"], dev["s_gate"], dev["s_up"], sorted_ids.to(DEVICE),
+                      expert_ids.to(DEVICE), num_post.to(DEVICE), k, block_m, h)
+        m.down_fp8(h, None, dev["w_down"], dev["s_down"], c["weights"].reshape(-1).to(DEVICE), sorted_ids.to(DEVICE),
+                   expert_ids.to(DEVICE), num_post.to(DEVICE), block_m, y)
+    _, hh, _ = _moe_oracle(c)
+    ids = c["ids"].reshape(-1)
+    wd = _dequant(c["w_down"], c["s_down"]).double()[ids]
+    hp = hh.reshape(num_pairs, inter)
+    ref = torch.einsum("pi,phi->ph", hp, wd) * c["weights"].reshape(-1).double()[:, None]
+    xd = c["x"].double()[torch.arange(num_pairs) // k]
+    gb = torch.einsum("ph,pih->pi", xd.abs(), _dequant(c["w_gate"], c["s_gate"]).double().abs()[ids])
+    ub = torch.einsum("ph,pih->pi", xd.abs(), _dequant(c["w_up"], c["s_up"]).double().abs()[ids])
+    hb = gb * (1 + gb) * ub + hp.abs()                                      # |silu(g) u| and its error scale
+    bound = torch.einsum("pi,phi->ph", hb, wd.abs()) * c["weights"].reshape(-1).double()[:, None]
+    try:
+        _assert_fp32(y, ref, bound, what=f"gate_up_fp8 + down_fp8（num_post = {used}，之后是任意的 pair id 与 expert id）", r=r)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n  看起来像易错点：pid_m·BLOCK_M ≥ num_tokens_post_padded 的 block 没有直接 return："
+                             "那之后的 sorted_ids / expert_ids 不保证是 pad，读了就会按错的 expert 重算、覆盖真实 pair 的行") from None
 
 
 @point("fused_experts_fp8（act_fp8=True）：x 与 h 都按 token group 动态量化，误差在一次 e4m3 舍入翻转之内")
@@ -528,6 +587,8 @@ def test_real_shapes_cuda():
                 exact = a @ wd.T
                 err = (out.float() - exact).abs()
                 tol = exact.abs() * 2.0 ** -8 + 1e-4 * exact.abs().max()  # one bf16 rounding of the output
+                if name == "w8a8_linear":                                  # + the FP8 tensor cores' accumulation
+                    tol = tol + FP8_DOT_REL * (a.abs() @ wd.abs().T)
                 if not bool((err <= tol).all()):
                     raise AssertionError(f"{name}（T={num_tokens}，N={n}，K={k}）：最大误差 {err.max().item():.3g}，"
                                          f"超过输出的 bf16 舍入；{r}")

@@ -99,6 +99,20 @@ PLANTS = [
           new="    a, a_scale = x, None\n    act_fp8 = False\n"
               "    h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)\n",
           expect="没有量化激活"),
+    Plant("no_return_past_num_post", "num_post 之后的 block 没有直接 return",
+          old="    pid_m, pid_n = tl.program_id(0), tl.program_id(1)\n"
+              "    if pid_m * BLOCK_M >= tl.load(num_post_ptr):\n"
+              "        return\n"
+              "    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)\n"
+              "    pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))\n"
+              "    valid = pairs < num_pairs\n"
+              "    tokens",
+          new="    pid_m, pid_n = tl.program_id(0), tl.program_id(1)\n"
+              "    e = tl.load(expert_ids_ptr + pid_m).to(tl.int64)\n"
+              "    pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))\n"
+              "    valid = pairs < num_pairs\n"
+              "    tokens",
+          expect="没有直接 return"),
     Plant("shared_none_not_skipped", "忘了 w.shared is None 时跳过",
           old="    if w.shared is not None:\n        s = w.shared\n", new="    if True:\n        s = w.shared\n",
           expect="w.shared is None"),
