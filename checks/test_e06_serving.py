@@ -1327,15 +1327,15 @@ def test_content_parts_and_developer():
     # 2-3 parts of 40-80 characters: well inside the context, more than max_model_len / longest_token characters
     parts, system = [_text(r, r.int(40, 80)) for _ in range(r.int(2, 3))], _text(r, r.int(3, 6))
     s = dict(max_tokens=r.int(3, 8), temperature=0, extra_body={"return_token_ids": True})
-    plain = client.chat.completions.create(model=MODEL, **s, messages=[
-        {"role": "system", "content": system}, {"role": "user", "content": "\n".join(parts)}])
     try:
+        plain = client.chat.completions.create(model=MODEL, **s, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": "\n".join(parts)}])
         split = client.chat.completions.create(model=MODEL, **s, messages=[
             {"role": "developer", "content": [{"type": "text", "text": system}]},
             {"role": "user", "content": [{"type": "text", "text": p} for p in parts]}])
     except Exception as exc:
         hint = ("放得下的 chat prompt 被当成超长拒绝了：字符数的上限是 max_model_len × longest_token(tokenizer)"
-                if "context_length_exceeded" in str(exc) else
+                if getattr(exc, "code", None) == "context_length_exceeded" else
                 "parse_request 没有用 chat_message 检查、整理每条消息（developer → system，分段用换行连接）")
         raise AssertionError(f"developer 角色、text 分段的 content 应被收下，得到 {exc}\n  看起来像易错点：{hint}") from None
     assert split.usage.prompt_tokens == plain.usage.prompt_tokens, (
