@@ -227,10 +227,11 @@ def test_quantize_act():
                              "  看起来像易错点：全零 block / group 的 scale 为 0：x / 0 得到 NaN")
     flat = base.flatten()
     unmasked = torch.stack([torch.stack([flat[t * (k + 16) + g * 128:][:128].abs().max() for g in range(s.shape[1])])
-                            for t in range(rows)]) / 448.0                   # the last group read past K
+                            for t in range(rows)])                           # the last group read past K
+    unmasked = torch.where(unmasked > 0, unmasked / 448.0, torch.ones_like(unmasked))
     by_shape = _act_quant(flat[:rows * k].view(rows, k))[1]                 # rows read at stride K
     looks = [(torch.where(zero, ref_s, ref_s * 448.0), "scale 取了 amax，少了除以 448"),
-             (torch.where(zero, ref_s, unmasked), "最后一个 group 的 load 没有 mask（offs < K）：读进了这一行之后的数"),
+             (unmasked, "最后一个 group 的 load 没有 mask（offs < K）：读进了这一行之后的数"),
              (by_shape, "x 的行 stride 按形状推了（x 可能是 strided view，stride 从 x.stride() 取）")]
     if not torch.allclose(s, ref_s, rtol=1e-6, atol=0):
         msg = f"x_scale 应为每组 amax / 448{where}；{r}"
@@ -253,8 +254,11 @@ def _linear_case(r: Rand, num_tokens: int, k_whole: bool = False, k_small: bool 
     if k_one:
         k = 257                                                             # the last K-tile holds one column
     q, s = _fp8_weight(r, n, k)
+    wide = torch.full((n, k + 16), float("nan")).to(FP8)                  # NaN past K: a K-tail read that is not
+    wide[:, :k] = q                                                         # masked turns the row's output to NaN
     base = r.randn(num_tokens, k + 8)
-    return base[:, :k], q, s                                                # x is a strided view
+    base[:, k:] = float("nan")
+    return base[:, :k], wide[:, :k], s                                      # x and w_fp8 are strided views
 
 
 def _check_linear(m, r: Rand, x, q, s, w8a8: bool) -> None:
@@ -320,6 +324,13 @@ def test_w8a8_linear():
 
 # ----------------------------------------------------------------------------------------------------- MoE
 
+def _nan_tail(t: torch.Tensor) -> torch.Tensor:
+    """t as a view of a wider tensor whose 16 columns past the last are NaN: an unmasked K-tail read shows."""
+    wide = torch.full((*t.shape[:-1], t.shape[-1] + 16), float("nan")).to(t.dtype)
+    wide[..., :t.shape[-1]] = t
+    return wide[..., :t.shape[-1]]
+
+
 def _moe_case(r: Rand, hidden: int, inter: int, experts: int, n_tok: int, k: int = 2):
     """FP8 experts: gate/up (and their scales) as strided halves of stacked [E, 2I, H] tensors. Their scales span
     three orders of magnitude around 1e-3, so x Wg^T is of order 0.1..10, where SiLU is not linear (a gate/up swap
@@ -328,9 +339,10 @@ def _moe_case(r: Rand, hidden: int, inter: int, experts: int, n_tok: int, k: int
     ni, nh = -(-inter // 128), -(-hidden // 128)
     gu_s = torch.cat([_spread(r, experts, ni, nh, low=-4.5, decades=3), _spread(r, experts, ni, nh, low=-4.5, decades=3)], 1)
     w_down, s_down = _fp8_weight(r, experts, hidden, inter)
+    gate_up, w_down = _nan_tail(gate_up), _nan_tail(w_down)
     ids = torch.stack([torch.randperm(experts, generator=r.gen)[:k] for _ in range(n_tok)])
     weights = torch.softmax(r.randn(n_tok, k), -1)
-    return dict(x=r.randn(n_tok, hidden), w_gate=gate_up[:, :inter], w_up=gate_up[:, inter:], w_down=w_down,
+    return dict(x=_nan_tail(r.randn(n_tok, hidden)), w_gate=gate_up[:, :inter], w_up=gate_up[:, inter:], w_down=w_down,
                 s_gate=gu_s[:, :ni], s_up=gu_s[:, ni:], s_down=s_down, weights=weights, ids=ids)
 
 
