@@ -254,8 +254,8 @@ def _linear_case(r: Rand, num_tokens: int, k_whole: bool = False, k_small: bool 
     if k_one:
         k = 257                                                             # the last K-tile holds one column
     q, s = _fp8_weight(r, n, k)
-    wide = torch.full((n, k + 16), float("nan")).to(FP8)                  # NaN past K: a K-tail read that is not
-    wide[:, :k] = q                                                         # masked turns the row's output to NaN
+    wide = torch.full((n, k + 16), float("nan")).to(FP8)                  # NaN past K: an unmasked K-tail read of x
+    wide[:, :k] = q                                                         # turns outputs to NaN (of w: on a GPU)
     base = r.randn(num_tokens, k + 8)
     base[:, k:] = float("nan")
     return base[:, :k], wide[:, :k], s                                      # x and w_fp8 are strided views
