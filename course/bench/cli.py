@@ -67,8 +67,7 @@ def parsers() -> dict[str, _Parser]:
     engine.add_argument("--repeats", type=int, default=1, metavar="N",
                         help="计时跑 N 遍（每遍换 token）：中位数、最小–最大")
     engine.add_argument("--dtype", choices=["bf16", "fp8", "w8a8"], default="bf16",
-                        help="权重：bf16（默认）；fp8：同形状的 dummy 权重按 128×128 块量化成 FP8（k05，weight-only）；"
-                             "w8a8：再把激活按 token 组量化")
+                        help="bf16（默认）；fp8：权重按块量化（k05）；w8a8：激活也量化")
     engine.add_argument("--max-num-seqs", type=int, default=256, metavar="N", help="引擎同时运行的序列上限（默认 256）")
     engine.add_argument("--max-model-len", type=int, default=4096, metavar="N", help="一条序列最长的 token 数（默认 4096）")
     engine.add_argument("--block-size", type=int, default=32, metavar="N", help="KV cache 每块的 token 数（默认 32）")
@@ -151,7 +150,7 @@ COMMANDS = [
     ("k02 [选项]", "paged attention，对照 torch SDPA（GPU）"),
     ("k03 [选项]", "fused MoE，对照 m03 与 grouped GEMM（GPU）"),
     ("k04 [选项]", "Gated DeltaNet kernel，对照 fla、HF（GPU）"),
-    ("k05 [选项]", "FP8 线性层与 FP8 MoE，对照 bf16 与 torch._scaled_mm（GPU）"),
+    ("k05 [选项]", "FP8 线性层与 MoE，对照 bf16 与 _scaled_mm（GPU）"),
 ]
 SECTIONS = [    # (parser keys, heading): options shared by several commands are listed once
     (("engine",), "引擎吞吐、--profile、--tp 的选项"),
