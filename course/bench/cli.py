@@ -67,7 +67,7 @@ def parsers() -> dict[str, _Parser]:
     engine.add_argument("--repeats", type=int, default=1, metavar="N",
                         help="计时跑 N 遍（每遍换 token）：中位数、最小–最大")
     engine.add_argument("--dtype", choices=["bf16", "fp8", "w8a8"], default="bf16",
-                        help="bf16（默认）；fp8：权重按块量化（k05）；w8a8：激活也量化")
+                        help="权重 bf16（默认）、fp8（k05 块量化）或 w8a8")
     engine.add_argument("--max-num-seqs", type=int, default=256, metavar="N", help="引擎同时运行的序列上限（默认 256）")
     engine.add_argument("--max-model-len", type=int, default=4096, metavar="N", help="一条序列最长的 token 数（默认 4096）")
     engine.add_argument("--block-size", type=int, default=32, metavar="N", help="KV cache 每块的 token 数（默认 32）")
