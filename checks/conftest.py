@@ -43,6 +43,26 @@ def _triton_interpreter_without_cuda() -> None:
 _triton_interpreter_without_cuda()
 
 
+def _ast_parse_one_thread_at_a_time() -> None:
+    """CPython 3.11 keeps the AST constructor's recursion depth in state shared by all threads: two threads parsing
+    at once can raise SystemError "AST constructor recursion depth mismatch" (python/cpython#106905). A check's live
+    server logs a traceback on its own thread (3.11's traceback module parses each source line for its ^^^ carets)
+    while pytest formats the check's failure (it parses the check file): CI saw the grading die with an INTERNALERROR
+    in place of the check's message. One lock around ast.parse for every thread of the check process."""
+    import ast
+    import threading
+    lock, parse = threading.RLock(), ast.parse
+
+    def parse_locked(*args, **kwargs):
+        with lock:
+            return parse(*args, **kwargs)
+
+    ast.parse = parse_locked
+
+
+_ast_parse_one_thread_at_a_time()
+
+
 NOT_RUN = "未运行：前面的检查超时，这次运行的时间已经用完；先修好超时的函数再运行"
 _watchdog: Watchdog | None = None
 
