@@ -16,6 +16,7 @@ given, what it returns, what must hold afterwards. How to get there is the exerc
     raw hit     e02's KV hit run (super()._cached_prefix): registered blocks, computed or not.
     usable hit  the leading part of it a request can resume from (lookup).
     wanted      blocks a waiting request waits for: their owner stops its chunk at their end.
+    branch point  where a sequence's next prefill chunk stops so that others can resume there (branch_point).
 
 Never: a hit on KV or state that was not computed; more snapshots than num_snapshots; a row of the store lost
 or in two places; a restore that goes on from a zero state.
@@ -81,35 +82,34 @@ class StateCache:
         raise NotImplementedError("e07: 请实现 StateCache.purge（见 lessons/e07_hybrid_prefix_cache.md）")
 
     def _take_row(self) -> int:
-        """A row of the store for a new snapshot, taken out of free_rows / entries (it is in neither afterwards).
-        An entry that can still be hit is evicted only when no row is free and none can be freed; then it is the
-        least recently used one, and num_evicted += 1."""
+        """A row of the store for a new snapshot; afterwards it is in neither free_rows nor entries (N3). Which row
+        it may take is the card's G5 (要一行时). num_evicted (stats: snapshots_evicted) counts the entries it drops
+        that could still be hit; an entry dropped by purge is not an eviction."""
         raise NotImplementedError("e07: 请实现 StateCache._take_row（见 lessons/e07_hybrid_prefix_cache.md）")
 
     def lookup(self, hits: list[int]) -> int:
-        """How many of the leading KV hits (block ids, in order, from e02's _cached_prefix) the request can
-        resume from: the longest usable hit (card: 可用命中, G4), 0 if there is none. The entry it resumes from
-        counts as used: afterwards it is the most recently used."""
+        """hits: a raw hit run (card: 原始命中串; block ids in the sequence's order, from e02's _cached_prefix).
+        Returns how many of its leading blocks make the usable hit (card: 可用命中), 0 when there is none: the
+        card's N1 and G4. The snapshot it resumes from counts as used (G5)."""
         raise NotImplementedError("e07: 请实现 StateCache.lookup（见 lessons/e07_hybrid_prefix_cache.md）")
 
     def capture(self, seq: Sequence, pool: GDNStatePool) -> bool:
-        """After a step (before postprocess), which computed t[c, e) of seq with c = num_cached_tokens and
-        e = c + num_scheduled_tokens: take a snapshot exactly when e is a block boundary; returns whether one was taken.
+        """After a step (before postprocess) that computed t[c, e) of seq (c = num_cached_tokens,
+        e = c + num_scheduled_tokens) and left its state in seq's pool slot: take the snapshot (card: 快照) that
+        this chunk's end allows, if any; returns whether one was taken.
 
-        The snapshot is the state in seq's pool slot, under the hash h of the block that ends at e; afterwards
-        entries[h] holds it and is the most recently used entry (an entry already under h keeps its row), and
-        num_captured has grown by 1. A snapshot past the prompt (it has read tokens past num_prompt_tokens) is
-        recorded in newest[seq_id]: seq keeps one snapshot past its prompt, the newest, and no other entry is
-        evicted to make room for it while seq's previous one could give its row.
+        Records: the snapshot in a row of store, under its key in entries, counted as used (G5); num_captured
+        (stats: snapshots_captured) += 1 per snapshot taken; newest[seq_id] = the key of seq's newest snapshot
+        past its prompt (card: prompt 之后). Responsible for the card's G5 (which snapshots stay, which row a new
+        one takes) and N3.
         """
         raise NotImplementedError("e07: 请实现 StateCache.capture（见 lessons/e07_hybrid_prefix_cache.md）")
 
     def restore(self, seq: Sequence, pool: GDNStatePool) -> int:
-        """seq was admitted from a hit, num_cached_tokens = n * P > 0: give it a pool slot (pool.allocate(seq))
-        holding every conv and recurrent state of the snapshot under the hash of block_table[n - 1], and return
-        the slot. entries is left as it is, content and LRU order (lookup counted the use at admission; others
-        may resume from it too); num_restored += 1, tokens_restored += num_cached_tokens. No snapshot under that
-        hash: RuntimeError, raised before a slot is taken (never a zero state)."""
+        """seq was admitted from a usable hit, num_cached_tokens = n * P > 0: give it a pool slot (pool.allocate(seq))
+        holding every conv and recurrent state of the snapshot it resumes from (card: 快照, its key), and return
+        the slot. Records: num_restored += 1, tokens_restored += num_cached_tokens (stats: snapshot_hits,
+        prefill_tokens_saved); entries is left as it is (G5). No snapshot to resume from: the card's N4."""
         raise NotImplementedError("e07: 请实现 StateCache.restore（见 lessons/e07_hybrid_prefix_cache.md）")
 
 
@@ -125,39 +125,34 @@ class HybridBlockManager(BlockManager):
         self.wanted: set[int] = set()                # blocks being computed that a waiting request waits for
 
     def _allocate_block(self) -> int:
-        """e02's allocation. Afterwards the block belongs to a new owner that has not run yet: it is not
-        computed, and no waiting request waits for it."""
+        """e02's allocation: every block e02 hands out comes from here. Afterwards the block belongs to a new
+        owner that has not run yet, and computed and wanted say so for it (card: 算好, wanted; N1)."""
         raise NotImplementedError("e07: 请实现 HybridBlockManager._allocate_block（见 lessons/e07_hybrid_prefix_cache.md）")
 
     def can_allocate(self, seq: Sequence) -> bool:
-        """Whether seq may be admitted now: False when e02 says so, or when seq should wait (card: G1).
-        It waits when a prefix it shares is being computed in this step by a request admitted before it, and
-        waiting pays: the tokens it would hit by waiting one step are at least half of the tokens it must compute
-        if it does not wait (exactly half included). A wait must be for something: when the answer is False
-        because of it, the block whose end the owner must stop at has joined wanted. It only answers: no block
-        is allocated."""
+        """Whether seq may be admitted now: False when e02 says so, or when seq waits (when, and the pay-off
+        threshold: the card's G1; N2). Records: when it answers False because seq waits, the block that ends the
+        prefix seq waits for is in wanted (card: wanted); otherwise wanted is unchanged. It only answers: no
+        block is allocated."""
         raise NotImplementedError("e07: 请实现 HybridBlockManager.can_allocate（见 lessons/e07_hybrid_prefix_cache.md）")
 
     def branch_point(self, seq: Sequence) -> int:
-        """The shared_end of seq's next prefill chunk (see chunk_end): the end of the first block that a
-        waiting request waits for, among the blocks seq has not finished (from the one holding token
-        num_cached_tokens on); without one, the tokens seq shared with the cache at admission (shared_tokens);
-        0 for a sequence never admitted."""
+        """seq's branch point (card: 分叉点, from wanted and shared_tokens): the shared_end that HybridScheduler
+        hands chunk_end for seq's next prefill chunk, a multiple of block_size, 0 when seq has none. Responsible
+        for the card's G1 (the request computing a prefix stops where a waiting one wants it) and, with
+        chunk_end, G2."""
         raise NotImplementedError("e07: 请实现 HybridBlockManager.branch_point（见 lessons/e07_hybrid_prefix_cache.md）")
 
     def _cache_block(self, block_id: int, h: int, token_ids: list[int]) -> None:
-        """e02's registration of a full block under hash h, keeping the card's G3 (while a content has a
-        computed copy, the registered copy is a computed one): a registered copy that is computed stays
-        registered; the new block then only carries h (and its tokens)."""
+        """e02's registration of a full block under hash h, at admission (its KV is not computed yet).
+        Afterwards blocks[block_id] carries h and token_ids, whether or not it is the registered copy
+        (card: 登记), and the card's G3 holds."""
         raise NotImplementedError("e07: 请实现 HybridBlockManager._cache_block（见 lessons/e07_hybrid_prefix_cache.md）")
 
     def mark_computed(self, seq: Sequence) -> None:
         """After a step (before postprocess) that computed t[c, e) of seq (c = num_cached_tokens,
-        e = c + num_scheduled_tokens): every block that t[0, e) fills is computed and nobody waits for it, and
-        the card's G3 holds for its hash (while a content has a computed copy, the registered copy is a
-        computed one). Both are accepted: walking the blocks from block 0 or from the one holding token c (those
-        before it are computed already); registering a block whose hash is registered nowhere (its registered
-        copy was evicted) or leaving it unregistered."""
+        e = c + num_scheduled_tokens): afterwards computed and wanted say, for seq's blocks, what the card
+        defines them to (算好, wanted; N1), and the card's G3 holds for their hashes."""
         raise NotImplementedError("e07: 请实现 HybridBlockManager.mark_computed（见 lessons/e07_hybrid_prefix_cache.md）")
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:

@@ -137,7 +137,7 @@ PLANTS = [
           old="        raw = super()._cached_prefix(seq)\n",
           new="        raw = self._cached_prefix(seq)\n",
           expect="原始命中串"),
-    Plant("wait_strict", "共享部分正好占一半时没有等",
+    Plant("wait_strict", "等来的正好是要算的一半时没有等",
           old="            if 2 * (len(raw) - usable) * self.block_size >= seq.num_tokens - usable * self.block_size:\n",
           new="            if 2 * (len(raw) - usable) * self.block_size > seq.num_tokens - usable * self.block_size:\n",
           expect="门槛含正好一半"),
