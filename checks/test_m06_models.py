@@ -412,6 +412,8 @@ M_FP8_DIVIDED = "scale_inv 是乘数（w = w_fp8 × scale_inv），不是除数�
 M_FP8_GRID = ("按块展开 scale_inv 后与权重对不上：行（输出维 N）按 weight_block_size[0]、列（输入维 K）按 [1] 展开，"
               "最后一块不满时按 ceil 切块再截到 [N, K]；不能用 N // scale 行数反推块大小"
               "（HF 5.17 的 Fp8Dequantize 这样推，只在维度整除时对）")
+M_FP8_FROM_GRID = ("块大小用 N // scale 行数反推了：最后一块不满时推出的块比 weight_block_size 小，scale 的每一行盖住的权重行都错开了"
+                   "（HF 5.17 的 Fp8Dequantize 这样推，只在维度整除时对）；不能反推块大小，要用传进来的 block")
 
 
 def _fp8_family_config(family: str, r: Rand):
@@ -438,6 +440,9 @@ def test_dequantize_block_fp8():
     with explain_crash({"must match the size of tensor": M_FP8_GRID}):
         got = m.dequantize_block_fp8(q, scale, (bn, bk))
     looks = [(hf_models.fp8_dequantize(q, 1 / scale, (bn, bk)), M_FP8_DIVIDED)]
+    rows, cols = scale.shape
+    if n % rows == 0 and k % cols == 0:   # the block read off the grid tiles the weight: wrong values, no crash
+        looks.append((hf_models.fp8_dequantize(q, scale, (n // rows, k // cols)), M_FP8_FROM_GRID))
     assert_close(got, want, what=what, rand=r, atol=0, rtol=0, looks_like=looks)
     experts = r.int(2, 4)
     pairs = [hf_models.fp8_quantize(r.randn(n, k, scale=0.2), (bn, bk)) for _ in range(experts)]
