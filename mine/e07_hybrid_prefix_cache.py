@@ -126,7 +126,8 @@ class HybridBlockManager(BlockManager):
 
     def _allocate_block(self) -> int:
         """e02's allocation: every block e02 hands out comes from here. Afterwards the block belongs to a new
-        owner that has not run yet, and computed and wanted say so for it (card: 算好, wanted; N1)."""
+        owner that has not run yet, and computed and wanted agree with the card's definitions for it
+        (算好, wanted; N1)."""
         raise NotImplementedError("e07: 请实现 HybridBlockManager._allocate_block（见 lessons/e07_hybrid_prefix_cache.md）")
 
     def can_allocate(self, seq: Sequence) -> bool:
@@ -151,8 +152,8 @@ class HybridBlockManager(BlockManager):
 
     def mark_computed(self, seq: Sequence) -> None:
         """After a step (before postprocess) that computed t[c, e) of seq (c = num_cached_tokens,
-        e = c + num_scheduled_tokens): afterwards computed and wanted say, for seq's blocks, what the card
-        defines them to (算好, wanted; N1), and the card's G3 holds for their hashes."""
+        e = c + num_scheduled_tokens): afterwards computed and wanted agree with the card's definitions
+        (算好, wanted; N1) for seq's blocks, and the card's G3 holds for their hashes."""
         raise NotImplementedError("e07: 请实现 HybridBlockManager.mark_computed（见 lessons/e07_hybrid_prefix_cache.md）")
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:

@@ -173,7 +173,8 @@ class HybridBlockManager(BlockManager):
 
     def _allocate_block(self) -> int:
         """e02's allocation: every block e02 hands out comes from here. Afterwards the block belongs to a new
-        owner that has not run yet, and computed and wanted say so for it (card: 算好, wanted; N1)."""
+        owner that has not run yet, and computed and wanted agree with the card's definitions for it
+        (算好, wanted; N1)."""
         block_id = super()._allocate_block()
         self.computed[block_id] = False               # a new owner: registered now, written by a later step
         self.wanted.discard(block_id)
@@ -216,8 +217,8 @@ class HybridBlockManager(BlockManager):
 
     def mark_computed(self, seq: Sequence) -> None:
         """After a step (before postprocess) that computed t[c, e) of seq (c = num_cached_tokens,
-        e = c + num_scheduled_tokens): afterwards computed and wanted say, for seq's blocks, what the card
-        defines them to (算好, wanted; N1), and the card's G3 holds for their hashes."""
+        e = c + num_scheduled_tokens): afterwards computed and wanted agree with the card's definitions
+        (算好, wanted; N1) for seq's blocks, and the card's G3 holds for their hashes."""
         done = (seq.num_cached_tokens + seq.num_scheduled_tokens) // self.block_size
         for block_id in seq.block_table[seq.num_cached_tokens // self.block_size:done]:
             self.computed[block_id] = True
