@@ -59,21 +59,23 @@ def _round_e4m3(v):
     return (v + magic) - magic
 
 
-@triton.jit
-def _quant_act_kernel(x_ptr, q_ptr, s_ptr, K, stride_xt, stride_xk, stride_qt, stride_st,
-                      GROUP: tl.constexpr):
-    """Program (t, g): s[t, g] = amax(x[t, g*GROUP : (g+1)*GROUP]) / 448, q = round_e4m3(x / s)."""
+@triton.jit(do_not_specialize=["T", "stride_sg"])   # stride_sg = T (column-major scales)
+def _quant_act_kernel(x_ptr, q_ptr, s_ptr, T, K, stride_xt, stride_xk, stride_qt, stride_st, stride_sg,
+                      GROUP: tl.constexpr, ROWS: tl.constexpr):
+    """Program (i, g): rows t = i*ROWS .. i*ROWS+ROWS-1, s[t, g] = amax(x[t, g*GROUP : (g+1)*GROUP]) / 448,
+    q = round_e4m3(x / s). ROWS rows per program: one row of 128 would leave each program a few hundred bytes."""
     raise NotImplementedError("k05: 请实现 _quant_act_kernel（见 lessons/k05_fp8.md）")
 
 
 def quantize_act_fp8(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] -> (x_fp8 [T, K] float8_e4m3fn, x_scale [T, ceil(K/group)] fp32): one scale per token and group."""
+    """x [T, K] -> (x_fp8 [T, K] float8_e4m3fn, x_scale [T, ceil(K/group)] fp32): one scale per token and group.
+    x_scale is column-major (stride (1, T)), the layout cuBLAS's block-scaled FP8 GEMM reads (g01's FP8Linear)."""
     raise NotImplementedError("k05: 请实现 quantize_act_fp8（见 lessons/k05_fp8.md）")
 
 
-@triton.jit(do_not_specialize=["T"])   # the token count changes every prefill step: no recompile
+@triton.jit(do_not_specialize=["T", "stride_xsk"])   # T and the scales' column stride (= T) change every step
 def _fp8_linear_kernel(x_ptr, w_ptr, ws_ptr, xs_ptr, y_ptr, T, N, K,
-                       stride_xt, stride_xk, stride_wn, stride_wk, stride_wsn, stride_wsk, stride_xst,
+                       stride_xt, stride_xk, stride_wn, stride_wk, stride_wsn, stride_wsk, stride_xst, stride_xsk,
                        stride_yt, stride_yn,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SCALE_BLOCK: tl.constexpr, ACT_FP8: tl.constexpr, EVEN_K: tl.constexpr,
@@ -114,7 +116,7 @@ def w8a8_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale_inv: torch.Tensor) -
     raise NotImplementedError("k05: 请实现 w8a8_linear（见 lessons/k05_fp8.md）")
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=["num_pairs", "stride_xsh"])   # stride_xsh: N for column-major x_scale
 def _gate_up_fp8_kernel(x_ptr, xs_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr,
                         sorted_ids_ptr, expert_ids_ptr, num_post_ptr, num_pairs, top_k, inter, hidden,
                         stride_xn, stride_xh, stride_xsn, stride_xsh,
@@ -128,7 +130,7 @@ def _gate_up_fp8_kernel(x_ptr, xs_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr,
     raise NotImplementedError("k05: 请实现 _gate_up_fp8_kernel（见 lessons/k05_fp8.md）")
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=["num_pairs", "stride_hsi"])   # stride_hsi: N·k for column-major h_scale
 def _down_fp8_kernel(h_ptr, hs_ptr, wd_ptr, sd_ptr, y_ptr, topk_weights_ptr,
                      sorted_ids_ptr, expert_ids_ptr, num_post_ptr, num_pairs, hidden, inter,
                      stride_hm, stride_hi, stride_hsm, stride_hsi, stride_de, stride_dh, stride_di,

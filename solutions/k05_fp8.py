@@ -67,36 +67,42 @@ def _round_e4m3(v):
     return (v + magic) - magic
 
 
-@triton.jit
-def _quant_act_kernel(x_ptr, q_ptr, s_ptr, K, stride_xt, stride_xk, stride_qt, stride_st,
-                      GROUP: tl.constexpr):
-    """Program (t, g): s[t, g] = amax(x[t, g*GROUP : (g+1)*GROUP]) / 448, q = round_e4m3(x / s)."""
-    t, g = tl.program_id(0).to(tl.int64), tl.program_id(1)
+@triton.jit(do_not_specialize=["T", "stride_sg"])   # stride_sg = T (column-major scales)
+def _quant_act_kernel(x_ptr, q_ptr, s_ptr, T, K, stride_xt, stride_xk, stride_qt, stride_st, stride_sg,
+                      GROUP: tl.constexpr, ROWS: tl.constexpr):
+    """Program (i, g): rows t = i*ROWS .. i*ROWS+ROWS-1, s[t, g] = amax(x[t, g*GROUP : (g+1)*GROUP]) / 448,
+    q = round_e4m3(x / s). ROWS rows per program: one row of 128 would leave each program a few hundred bytes."""
+    pid, g = tl.program_id(0), tl.program_id(1)
+    rows = pid * ROWS + tl.arange(0, ROWS)
     offs = g * GROUP + tl.arange(0, GROUP)
-    ok = offs < K
-    x = tl.load(x_ptr + t * stride_xt + offs * stride_xk, mask=ok, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=0)
+    ok = (rows < T)[:, None] & (offs < K)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    x = tl.load(x_ptr + r64 * stride_xt + offs[None, :] * stride_xk, mask=ok, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)                                        # [ROWS]
     scale = tl.where(amax > 0, amax / 448.0, 1.0)                           # an all-zero group: scale 1
-    q = _round_e4m3(tl.clamp(x / scale, -448.0, 448.0))
-    tl.store(q_ptr + t * stride_qt + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
-    tl.store(s_ptr + t * stride_st + g, scale)
+    q = _round_e4m3(tl.clamp(x / scale[:, None], -448.0, 448.0))
+    tl.store(q_ptr + r64 * stride_qt + offs[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + rows.to(tl.int64) * stride_st + g * stride_sg, scale, mask=rows < T)
 
 
 def quantize_act_fp8(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] -> (x_fp8 [T, K] float8_e4m3fn, x_scale [T, ceil(K/group)] fp32): one scale per token and group."""
+    """x [T, K] -> (x_fp8 [T, K] float8_e4m3fn, x_scale [T, ceil(K/group)] fp32): one scale per token and group.
+    x_scale is column-major (stride (1, T)), the layout cuBLAS's block-scaled FP8 GEMM reads (g01's FP8Linear)."""
     num_tokens, k = x.shape
     groups = triton.cdiv(k, group)
     q = torch.empty(num_tokens, k, dtype=FP8, device=x.device)
-    s = torch.empty(num_tokens, groups, dtype=torch.float32, device=x.device)
+    s = torch.empty(groups, num_tokens, dtype=torch.float32, device=x.device).t()
     if num_tokens:
-        _quant_act_kernel[(num_tokens, groups)](x, q, s, k, x.stride(0), x.stride(1), q.stride(0), s.stride(0),
-                                               GROUP=group)
+        rows = 16 if num_tokens >= 16 else triton.next_power_of_2(num_tokens)
+        _quant_act_kernel[(triton.cdiv(num_tokens, rows), groups)](
+            x, q, s, num_tokens, k, x.stride(0), x.stride(1), q.stride(0), s.stride(0), s.stride(1),
+            GROUP=group, ROWS=rows)
     return q, s
 
 
-@triton.jit(do_not_specialize=["T"])   # the token count changes every prefill step: no recompile
+@triton.jit(do_not_specialize=["T", "stride_xsk"])   # T and the scales' column stride (= T) change every step
 def _fp8_linear_kernel(x_ptr, w_ptr, ws_ptr, xs_ptr, y_ptr, T, N, K,
-                       stride_xt, stride_xk, stride_wn, stride_wk, stride_wsn, stride_wsk, stride_xst,
+                       stride_xt, stride_xk, stride_wn, stride_wk, stride_wsn, stride_wsk, stride_xst, stride_xsk,
                        stride_yt, stride_yn,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SCALE_BLOCK: tl.constexpr, ACT_FP8: tl.constexpr, EVEN_K: tl.constexpr,
@@ -123,7 +129,7 @@ def _fp8_linear_kernel(x_ptr, w_ptr, ws_ptr, xs_ptr, y_ptr, T, N, K,
         ks = k0 // SCALE_BLOCK                                              # the tile's one scale column
         w_s = tl.load(ws_ptrs + ks * stride_wsk, mask=n_ok, other=0.0)
         if ACT_FP8:
-            x_s = tl.load(xs_ptrs + ks, mask=m_ok, other=0.0)
+            x_s = tl.load(xs_ptrs + ks * stride_xsk, mask=m_ok, other=0.0)
             acc += tl.dot(a, b) * (x_s[:, None] * w_s[None, :])            # FP8 x FP8, exact products
         else:
             acc += tl.dot(a, b.to(a.dtype), input_precision=PRECISION) * w_s[None, :]
@@ -162,7 +168,7 @@ def _launch_linear(x, x_scale, w_fp8, scale_inv, out_dtype: torch.dtype) -> torc
     xs = x_scale if x_scale is not None else scale_inv                      # unused when not act_fp8
     _fp8_linear_kernel[grid](x, w_fp8, scale_inv, xs, y, num_tokens, n, k,
                              x.stride(0), x.stride(1), w_fp8.stride(0), w_fp8.stride(1),
-                             scale_inv.stride(0), scale_inv.stride(1), xs.stride(0), y.stride(0), y.stride(1),
+                             scale_inv.stride(0), scale_inv.stride(1), xs.stride(0), xs.stride(1), y.stride(0), y.stride(1),
                              SCALE_BLOCK=BLOCK, ACT_FP8=act_fp8, EVEN_K=k % tiles["BLOCK_K"] == 0, **tiles)
     return y
 
@@ -179,7 +185,7 @@ def w8a8_linear(x: torch.Tensor, w_fp8: torch.Tensor, scale_inv: torch.Tensor) -
     return _launch_linear(x_fp8, x_scale, w_fp8, scale_inv, x.dtype)
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=["num_pairs", "stride_xsh"])   # stride_xsh: N for column-major x_scale
 def _gate_up_fp8_kernel(x_ptr, xs_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr,
                         sorted_ids_ptr, expert_ids_ptr, num_post_ptr, num_pairs, top_k, inter, hidden,
                         stride_xn, stride_xh, stride_xsn, stride_xsh,
@@ -236,7 +242,7 @@ def _gate_up_fp8_kernel(x_ptr, xs_ptr, wg_ptr, wu_ptr, sg_ptr, su_ptr, h_ptr,
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=["num_pairs", "stride_hsi"])   # stride_hsi: N·k for column-major h_scale
 def _down_fp8_kernel(h_ptr, hs_ptr, wd_ptr, sd_ptr, y_ptr, topk_weights_ptr,
                      sorted_ids_ptr, expert_ids_ptr, num_post_ptr, num_pairs, hidden, inter,
                      stride_hm, stride_hi, stride_hsm, stride_hsi, stride_de, stride_dh, stride_di,
