@@ -47,7 +47,7 @@ from .k02_paged_attention import TritonPagedAttention
 from .k03_fused_moe import fused_moe_forward
 from .k04_gdn_kernels import CHUNK, gdn_decode, gdn_prefill
 from .k05_fp8 import BLOCK as FP8_BLOCK
-from .k05_fp8 import fp8_linear, fused_experts_fp8, quantize_block_fp8, w8a8_linear
+from .k05_fp8 import fp8_linear, fused_experts_fp8, quantize_act_fp8, quantize_block_fp8, w8a8_linear
 from .m01_rmsnorm import GemmaRMSNorm, RMSNorm
 from .m03_sparse_moe import MoEWeights, SharedExpert, route
 from .m04_attention import AttentionContext, GatedAttention
@@ -363,6 +363,39 @@ FP8_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "in_proj_qkv",
                "out_proj")                                 # what a Qwen FP8 checkpoint quantizes (not lm_head, router)
 
 
+CUBLAS_FP8_MIN_TOKENS = 128   # below this k05's Triton w8a8 kernel is as fast or faster (H200, 2026-12-04)
+CUBLAS_FP8_ROWS = 4           # cuBLAS's block-scaled GEMM takes token counts in multiples of this
+
+
+def cublas_w8a8(x: torch.Tensor, w_fp8: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """W8A8 through cuBLAS's block-scaled FP8 GEMM (torch._scaled_mm with 1x128 activation groups and 128x128 weight
+    blocks): k05's quantize_act_fp8, then y = (x_fp8 * x_scale) @ (w_fp8 * scale_inv)^T with fp32 accumulation, the
+    same sums as k05's w8a8_linear. cuBLAS reads x_scale column-major and scale_inv as its transpose, and refuses a
+    token count that is not a multiple of 4 (CUBLAS_STATUS_NOT_SUPPORTED on torch 2.11 + CUDA 13, H200: 4, 8, 12, 20
+    ran, 1, 2, 15, 17, 4097 did not): x is padded with zero rows, whose outputs are dropped."""
+    t = x.shape[0]
+    if t % CUBLAS_FP8_ROWS:
+        padded = x.new_zeros(t + CUBLAS_FP8_ROWS - t % CUBLAS_FP8_ROWS, x.shape[1])
+        padded[:t] = x
+        return cublas_w8a8(padded, w_fp8, scale_inv)[:t]
+    x_fp8, x_scale = quantize_act_fp8(x)
+    if x_scale.stride(0) != 1:
+        x_scale = x_scale.t().contiguous().t()
+    return torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_scale, scale_b=scale_inv.t(), out_dtype=x.dtype)
+
+
+def cublas_block_fp8_works(x: torch.Tensor, w_fp8: torch.Tensor, scale_inv: torch.Tensor) -> str | None:
+    """None when cuBLAS runs the block-scaled FP8 GEMM for this linear and agrees with k05's w8a8_linear on x (the
+    same fp32 sums: equal up to accumulation order); else why not (a build without it raises, e.g. before CUDA 12.9)."""
+    try:
+        ref = w8a8_linear(x, w_fp8, scale_inv).float()
+        err = (cublas_w8a8(x, w_fp8, scale_inv).float() - ref).abs().max().item()
+    except Exception as e:   # noqa: BLE001 - any failure means: use k05's kernel
+        return f"{type(e).__name__}: {e}"[:200]
+    bound = 1e-2 * ref.abs().max().item()
+    return None if err <= bound else f"max |cuBLAS - k05| = {err:.3g} > {bound:.3g}"
+
+
 class FP8Linear(nn.Module):
     """A bias-free linear with a block-FP8 weight, run by k05: weight [N, K] float8_e4m3fn and weight_scale_inv
     [G, ceil(K/128)] fp32. A packed linear (qkv_proj: q, k, v; gate_up_proj: gate, up) keeps each shard's own
@@ -380,6 +413,19 @@ class FP8Linear(nn.Module):
         self.weight_scale_inv = nn.Parameter(torch.ones(sum(self.grid_rows), triton.cdiv(in_features, FP8_BLOCK),
                                                         dtype=torch.float32, device=device), requires_grad=False)
         self.one_launch = all(n % FP8_BLOCK == 0 for n in shard_rows[:-1])
+        self.cublas_refused: str | None = "unprobed"     # None: cuBLAS runs w8a8 from CUBLAS_FP8_MIN_TOKENS on
+
+    def cublas_ok(self, x: torch.Tensor) -> bool:
+        """cuBLAS's block-scaled FP8 GEMM applies: one launch, N and K whole 128-blocks, and the first eager call
+        found that cuBLAS runs it and agrees with k05 (never probed inside a CUDA graph capture)."""
+        if not (x.is_cuda and self.one_launch and self.out_features % FP8_BLOCK == 0
+                and self.in_features % FP8_BLOCK == 0):
+            return False
+        if self.cublas_refused == "unprobed":
+            if torch.cuda.is_current_stream_capturing():
+                return False
+            self.cublas_refused = cublas_block_fp8_works(x, self.weight, self.weight_scale_inv)
+        return self.cublas_refused is None
 
     def shard(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Shard i's weight rows and scale rows (views)."""
@@ -390,6 +436,13 @@ class FP8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         linear = w8a8_linear if self.act_fp8 else fp8_linear
         x2 = x.reshape(-1, self.in_features)
+        if self.act_fp8 and x2.shape[0] >= CUBLAS_FP8_MIN_TOKENS and self.cublas_ok(x2):
+            try:
+                return cublas_w8a8(x2, self.weight, self.weight_scale_inv).view(*x.shape[:-1], self.out_features)
+            except RuntimeError as e:                    # a shape cuBLAS refuses: k05's kernel from now on
+                if torch.cuda.is_current_stream_capturing():
+                    raise
+                self.cublas_refused = f"T={x2.shape[0]}: {e}"[:200]
         if self.one_launch:
             y = linear(x2, self.weight, self.weight_scale_inv)
         else:
