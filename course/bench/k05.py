@@ -5,9 +5,10 @@ bf16 activations, decode T = 1..256 and a 4096-token prefill:
   bf16        F.linear on the bf16 weights (cuBLAS)
   fp8         k05's fp8_linear: FP8 weights with 128x128 block scales, weight-only (the selected implementation)
   w8a8        k05's w8a8_linear: the activation quantization kernel plus the FP8 x FP8 GEMM
-  scaled_mm   torch._scaled_mm on the same FP8 weights with one scale per row of w and per token of x (per-row
-              scales: it does not take 128x128 block scales, so this is the FP8 GEMM of the same bytes, not the same
-              math); x is quantized outside the timed call. Where torch refuses the shape or the scales, '—'.
+  scaled_mm   torch._scaled_mm on the same FP8 weights and 128x128 block scales, x quantized by k05's
+              quantize_act_fp8 (1x128 groups) outside the timed call: cuBLAS's block-scaled FP8 GEMM, the same sums as
+              w8a8 (g01's FP8Linear uses it from 128 tokens). Where torch refuses the shape or the scales (cuBLAS
+              takes token counts in multiples of 4), '—' and why.
 The FP8 MoE layer (Qwen3-30B-A3B: E=128, k=8, H=2048, I=768) at decode batch 256: k05's fused_experts_fp8
 (weight-only and act_fp8) against k03's bf16 fused_experts, with the fraction of copy bandwidth: bytes of the expert
 weights read (FP8 plus scales for k05, bf16 for k03) / time, over a device-to-device copy measured in the same run.
@@ -33,24 +34,24 @@ MOE = dict(name="Qwen3-30B-A3B", experts=128, top_k=8, hidden=2048, inter=768)
 MOE_BATCH = 256
 
 
-def _rowwise_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One scale per row: (t / s).to(e4m3), s = amax(row) / 448 as [rows, 1] fp32 (torch._scaled_mm's row-wise form)."""
-    amax = t.float().abs().amax(-1, keepdim=True)
-    s = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
-    return (t.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn), s
-
-
-def _scaled_mm_call(x: torch.Tensor, w_row: torch.Tensor, s_w: torch.Tensor):
-    """The timed torch._scaled_mm call on pre-quantized x, or None with the reason when torch refuses it."""
+def _scaled_mm_call(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, k05):
+    """The timed block-scaled torch._scaled_mm call on x quantized beforehand, or None with the reason when torch
+    refuses it. cuBLAS reads the activation scales column-major ([T, K/128] with stride (1, T)) and the weight's
+    [N/128, K/128] grid transposed."""
     scaled_mm = getattr(torch, "_scaled_mm", None)
     if scaled_mm is None:
         return None, "this torch has no torch._scaled_mm"
-    xq, s_x = _rowwise_fp8(x)
-    call = lambda: scaled_mm(xq, w_row.T, scale_a=s_x, scale_b=s_w.T, out_dtype=torch.bfloat16)  # noqa: E731
+    xq, s_x = k05.quantize_act_fp8(x)
+    s_x = s_x.t().contiguous().t()
+    call = lambda: scaled_mm(xq, q.T, scale_a=s_x, scale_b=s.T, out_dtype=torch.bfloat16)  # noqa: E731
     try:
-        call()
+        y = call()
+        ref = k05.w8a8_linear(x, q, s).float()
+        err = (y.float() - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
     except (RuntimeError, TypeError, ValueError) as exc:
         return None, f"torch._scaled_mm refused: {str(exc).splitlines()[0][:100]}"
+    if err > 1e-2:
+        return None, f"torch._scaled_mm differs from w8a8 by {err:.2g} (relative): not the same sums"
     return call, ""
 
 
@@ -91,14 +92,13 @@ def _linear(name, n, k, k05, gen, copy_bw, rep) -> None:
     for _ in range(sets):
         w = torch.randn(n, k, device="cuda", generator=gen).bfloat16() * 0.02
         q, s = k05.quantize_block_fp8(w)
-        q_row, s_row = _rowwise_fp8(w)
-        weights.append((w, q, s, q_row, s_row))
+        weights.append((w, q, s))
     say_out(f"\n{name}: N={n} K={k}; {sets} weight set(s); bf16 {w_bytes / 2**20:.0f} MiB, FP8 {n * k / 2**20:.0f} MiB")
     say_out(f"{'T':>6} | {'bf16 ms [min–max] spread':>{CELL}}  | {'fp8 ms [min–max] spread':>{CELL}}  {'HBM':>5} | "
             f"{'w8a8 ms [min–max] spread':>{CELL}}  | {'scaled_mm ms [min–max] spread':>{CELL}}  | bf16/fp8  fp8 更快？")
     for t_len in TOKENS:
         xs = [torch.randn(t_len, k, device="cuda", generator=gen).bfloat16() for _ in range(sets)]
-        w, q, s, _, _ = weights[0]
+        w, q, s = weights[0]
         exact = xs[0].float() @ (q.float() * s.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]).T
         for label, fn in (("fp8", k05.fp8_linear), ("w8a8", k05.w8a8_linear)):
             err = (fn(xs[0], q, s).float() - exact).abs().max().item() / max(exact.abs().max().item(), 1e-6)
@@ -114,7 +114,7 @@ def _linear(name, n, k, k05, gen, copy_bw, rep) -> None:
             "w8a8": time_cycled(lambda j: (lambda x=xs[j], p=weights[j]: k05.w8a8_linear(x, p[1], p[2])),
                                 touched8, replays=rep.replays, max_sets=sets),
         }
-        calls = [_scaled_mm_call(xs[j], weights[j][3], weights[j][4]) for j in range(sets)]
+        calls = [_scaled_mm_call(xs[j], weights[j][1], weights[j][2], k05) for j in range(sets)]
         note = next((why for call, why in calls if call is None), "")
         if not note:
             times["scaled_mm"] = time_cycled(lambda j: calls[j][0], touched8, replays=rep.replays, max_sets=sets)
