@@ -151,6 +151,14 @@ def _stand_ins(torch) -> None:
         scale = scale_inv.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
         return (x.float() @ (w_fp8.float() * scale).T).to(x.dtype)
 
+    def quantize_act_fp8(x, group=128):
+        t, k = x.shape
+        groups = -(-k // group)
+        xg = torch.nn.functional.pad(x.float(), (0, groups * group - k)).view(t, groups, group)
+        s = (xg.abs().amax(-1) / 448).clamp_min(1e-12)
+        q = (xg / s[..., None]).view(t, -1)[:, :k].to(torch.float8_e4m3fn)
+        return q, s.t().contiguous().t()
+
     def load(module):
         mod = real_load(module)
         cheap = {
@@ -160,7 +168,7 @@ def _stand_ins(torch) -> None:
             "k03_fused_moe": dict(fused_moe_forward=lambda x, w: bench_k03.grouped_torch_forward(
                 x, w, real_load("m03_sparse_moe"), bench_k03._grouped_mm()),
                                   fused_experts=lambda x, *a, **kw: torch.zeros_like(x)),
-            "k05_fp8": dict(fp8_linear=fp8_linear, w8a8_linear=fp8_linear,
+            "k05_fp8": dict(fp8_linear=fp8_linear, w8a8_linear=fp8_linear, quantize_act_fp8=quantize_act_fp8,
                             fused_experts_fp8=lambda x, *a, **kw: torch.zeros_like(x)),
             "k04_gdn_kernels": dict(chunk_gated_delta_rule=chunk, gdn_decode=lambda *a, **kw: None),
         }.get(module)
