@@ -171,9 +171,10 @@ def parse_request(body: object, chat: bool, tokenizer, model_name: str, max_mode
 class TextStream:
     """Incremental detokenization: token ids in, text deltas out; whole characters only, stop strings cut off.
 
-    The work per token does not grow with the text: only the tokens after the last whole character are decoded
-    again (a byte-level BPE's text is the concatenation of its tokens' bytes), and stop strings are looked for
-    only where one could end in the new text.
+    The decoding and the stop search per token do not grow with the text: only the tokens after the last whole
+    character are decoded again (a byte-level BPE's text is the concatenation of its tokens' bytes), and stop
+    strings are looked for only where one could end in the new text. (Rebuilding the text string still copies it:
+    a memcpy, a few microseconds at max_model_len.)
     """
 
     def __init__(self, tokenizer, stop: list[str]):
