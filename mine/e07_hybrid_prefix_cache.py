@@ -100,8 +100,9 @@ class StateCache:
 
         Records: the snapshot in a row of store, under its key in entries, counted as used (G5); num_captured
         (stats: snapshots_captured) += 1 per snapshot taken; newest[seq_id] = the key of seq's newest snapshot
-        past its prompt (card: prompt 之后). Responsible for the card's G5 (which snapshots stay, which row a new
-        one takes) and N3.
+        past its prompt (card: prompt 之后). Replacing seq's own older snapshot or re-taking a key already in entries
+        is not an eviction (num_evicted is unchanged). Responsible for the card's G5 (which snapshots stay, which
+        row a new one takes) and N3.
         """
         raise NotImplementedError("e07: 请实现 StateCache.capture（见 lessons/e07_hybrid_prefix_cache.md）")
 
