@@ -65,7 +65,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must be an int, got {value!r}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if self.temperature < GREEDY_BELOW:          # 1e-40 would be 0 in fp32: logits / T = inf, probs NaN
+        if self.temperature < GREEDY_BELOW:          # 1e-40 is a subnormal fp32, not 0: logits / T = inf, probs NaN
             self.temperature = 0.0
         if not 0 <= self.top_k < TOP_K_LIMIT:
             raise ValueError(f"top_k must be 0 (off) or in [1, 2**63), got {self.top_k!r}")
