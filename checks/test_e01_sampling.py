@@ -68,6 +68,10 @@ CONTRACT = ("与卡片约定的 exponential race 不一致：q = torch.empty(V).
             "每个采样行从自己的 generator 抽一次），token = argmax(softmax(warp_logits) / q)")
 
 MISTAKE_HINT = "\n  看起来像易错点："
+STOP_FORMS = ("stop_token_ids 只对 list 逐个检查了元素：tuple、set 也是合法的写法，里面的负数、str、float 同样要报错"
+              "（它们进了 frozenset，引擎每一步都拿 token 和它们比）")
+FIELD_FIRST = ("ValueError 的消息没有以字段名开头：e06 的服务器把消息的第一个词当作 OpenAI 错误的 param 交给客户端，"
+               "写成 \"top_p=1.5 must be ...\" 或 \"invalid top_p ...\"，客户端收到的 param 就是 \"top_p=1.5\" 或 \"invalid\"")
 
 CRASHES = {
     "out of bounds": TOPK0,
@@ -258,6 +262,8 @@ BAD = [  # (field, bad value[, the value the message must show]) -> ValueError n
     ("top_k", 2**63), ("top_k", 10**30),
     ("stop_token_ids", [1, "2"], "2"), ("stop_token_ids", [7, 1.5], 1.5), ("stop_token_ids", [True], True),
     ("stop_token_ids", [3, -1], -1), ("stop_token_ids", 5),
+    # every form the field accepts (list, tuple, set) through the same bounds
+    ("stop_token_ids", (3, -1), -1), ("stop_token_ids", {4, "x"}, "x"), ("stop_token_ids", frozenset({2.5}), 2.5),
     # too large for a float: only the field name is asked for (the 401 digits need not be echoed)
     ("temperature", 10**400, None), ("top_p", 10**400, None), ("min_p", -10**400, None),
 ]
@@ -270,7 +276,7 @@ def _arg(value) -> str:
     return repr(value)
 
 
-@point("SamplingParams 校验：每个非法值都报 ValueError，消息点名字段和值")
+@point("SamplingParams 校验：每个非法值都报 ValueError，消息以字段名开头、写出坏值")
 def test_params_rejects_bad_values():
     m = impl(MODULE)
     r = Rand()
@@ -284,6 +290,10 @@ def test_params_rejects_bad_values():
                 want = f"字段名 {name!r}" + ("" if shown is None else f" 和坏值 {shown!r}")
                 raise AssertionError(f"SamplingParams({name}={_arg(value)}) 的 ValueError 应写出{want}，"
                                      f"得到：{text!r}") from None
+            first = text.split(" ", 1)[0]                # what e06 hands the client as the error's `param`
+            if first != name:
+                raise AssertionError(f"SamplingParams({name}={_arg(value)}) 的 ValueError 应以字段名和一个空格开头"
+                                     f"（{name} must ...），得到：{text!r}，第一个词是 {first!r}{MISTAKE_HINT}{FIELD_FIRST}") from None
             continue
         except NotImplementedError:
             raise
@@ -293,6 +303,8 @@ def test_params_rejects_bad_values():
                                  f"{type(exc).__name__}: {exc}" + (f"\n  看起来像易错点：{hint}" if hint else "")) from None
         bools = isinstance(value, bool) or (isinstance(value, list) and any(isinstance(v, bool) for v in value))
         hint = f"\n  看起来像易错点：{BOOL}" if bools else ""
+        if name == "stop_token_ids" and not isinstance(value, list):
+            hint = f"\n  看起来像易错点：{STOP_FORMS}"
         raise AssertionError(f"SamplingParams({name}={_arg(value)}) 应抛 ValueError（消息点名 {name!r}），但没有报错{hint}")
 
 

@@ -40,10 +40,14 @@ OFF_BY_ONE = "快照挂错了块（挂到了下一块的哈希上）：边界 j�
 NO_CONV = "restore 只恢复了 recurrent state（ssm），没有恢复 conv state"
 NO_SSM = "restore 只恢复了 conv state，没有恢复 recurrent state（ssm）"
 NO_TOUCH = "命中后这份快照没有成为最近用过的（LRU 顺序没刷新）：LRU 退化成先进先出，最常用的 system prompt 快照会最先被逐出"
+TOUCH_ALL = ("lookup 把命中串里别的快照也刷新了：只有它返回的那份（可用命中末尾的快照）算用过；命中串里更短的快照这次"
+             "没被用到，LRU 顺序不该变，否则用不上的旧前缀一直排在队尾，真正常用的反而先被逐出")
 EVICT_NEWEST = "预算满时逐出了最新的快照，而不是最久未用的那份：刚拍的、最可能马上用到的快照先没了"
 NO_SLOT = "restore 没有先 pool.allocate(seq)：状态拷进了别人的槽位，序列自己从零状态开始"
 NO_PURGE = ("快照库满时没有先 purge 就逐出了 LRU 队首：KV 已不在缓存里的快照再也够不着，却留着它们、扔掉了一份还能命中的"
             "（要一行时：先用空行，再用够不着的快照的行，最后才逐出最久未用的）")
+PURGE_EARLY = ("还有空行时也先 purge 了（或先用够不着的快照的行）：G5 的取行顺序是先用空行，没有空行才丢掉再也命中不到的快照；"
+               "_take_row 只在 free_rows 为空时才 purge")
 ROW_LEAK = ("被替换（或被 purge）的快照，行没有还回 free_rows：这一行既不在 entries 里也不在 free_rows 里，再也用不上，"
             "预算一次少一份")
 RECAPTURE = ("重拍一个已有快照的哈希时没有复用它那一行、移到 LRU 队尾：同一前缀的状态相同，新的一份应占原来那一行、"
@@ -67,6 +71,12 @@ NO_SNAPSHOT_AT_RESTORE = ("恢复时表里没有这条序列命中位置上的�
                           "restore 与 lookup 的检查直接驱动这些函数，信息更具体")
 REGISTER_UNCOMPUTED = ("一块刚算好、它的哈希却登记在另一份还没算好的拷贝上时，没有把登记改到算好的这份（mark_computed）："
                        "几条请求同一步各自登记同一段前缀，最后登记的那份可能算得最少，下一步的请求就命中不到")
+REALLOC_COMPUTED = ("分给新主人的块没有清掉 computed（_allocate_block）：块换了主人，里面还是上一位主人的 KV；仍算“算好”，"
+                    "命中它的请求就读到旧的或别人的 KV")
+REALLOC_WANTED = ("分给新主人的块没有移出 wanted（_allocate_block）：等它的是上一位主人的前缀，新主人的 prefill 会被切在一个"
+                  "没人等的地方")
+FIRST_WINS = ("_cache_block 让最先登记的拷贝一直生效：只有已登记的那份算好了，新拷贝才只带上哈希；它没算好时照 e02，新登记的"
+              "拷贝生效。否则最先登记的请求被抢占（一步没算就 deallocate）时，它的登记跟着它没了，算好这段内容的另一份却没有登记")
 SHADOWED = ("没算好的拷贝顶掉了已算好的登记（_cache_block）：新登记的这份还没写 KV，后来的请求命中串到它就断了；"
             "已算好的那份保持登记，新块只带上哈希")
 RESTORE_ZERO = "restore 找不到快照时悄悄从零状态（或随便一行）接着算：命中和快照不一致是 bug，要抛 RuntimeError"
@@ -336,6 +346,24 @@ def test_capture_restore():
         f"一次恢复、省下 {2 * bs} 个 prefill token，stats 应记下：{cache.stats}"
 
 
+def _check_touched(cache, before: list[int], keys: dict[int, int], hit: int, where: str, r: Rand) -> None:
+    """After a lookup that returned `hit` blocks: only that snapshot moved (to the LRU back); every other one
+    kept its place (keys: boundary in blocks -> hash)."""
+    want = [h for h in before if h != keys[hit]] + [keys[hit]]
+    got = list(cache.entries)
+    if got == want:
+        return
+    name = {h: b for b, h in keys.items()}
+
+    def show(order):
+        return [name.get(h, "?") for h in order]
+
+    mistake = NO_TOUCH if got == before else TOUCH_ALL if got[-1] == keys[hit] else ""
+    raise AssertionError(f"{where}：lookup 返回 {hit}，只有 hits[:{hit}] 的那份快照算用过、移到 LRU 队尾，别的快照保持原来的"
+                         f"先后。entries 从 LRU 队首到队尾（以快照结束处的块数标）：lookup 前 {show(before)}，应为 {show(want)}，"
+                         f"得到 {show(got)}；{r}" + (f"\n  看起来像易错点：{mistake}" if mistake else ""))
+
+
 @point("capture / restore：算到 block 边界才拍、挂在结束处那一块的哈希上；decode 也拍，但每条序列在 prompt 之后只留最新一份；命中截到最后一个有快照的块；恢复的 conv 与 recurrent 状态逐元素相等")
 def test_lookup_longest_computed_hit():
     r = Rand()
@@ -376,6 +404,7 @@ def test_lookup_longest_computed_hit():
     where = (f"命中串 hits = {hits}（a 的前 {n} 块，block_size {bs}），hits[:{s1}]、hits[:{s2}]、hits[:{s3}]、"
              f"hits[:{s4}] 的末块都有快照")
 
+    order = list(cache.entries)
     got = cache.lookup(hits)                                # every block computed: the longest wins
     if got != s4:
         mistake = {s1: SHORTEST, n: KV_ONLY, s2: BY_POSITION}.get(got)
@@ -383,6 +412,7 @@ def test_lookup_longest_computed_hit():
                  f"按位置查 computed 得到的正是 {s2}）" if got == s2 else "")
         raise AssertionError(f"{where}，hits 的块都已算好：lookup 应返回最长的 {s4}，得到 {got}{extra}；{r}"
                              + (f"\n  看起来像易错点：{mistake}" if mistake else ""))
+    _check_touched(cache, order, keys, s4, where, r)
 
     # the copies of hits[u1] and hits[u2] that a lookup finds were handed to new owners (same content) that
     # have not run yet: only hits[:u1] holds computed KV
@@ -394,9 +424,7 @@ def test_lookup_longest_computed_hit():
         raise AssertionError(f"{where}，但 hits[{u1}] 和 hits[{u2}] 还没算好（computed 为 False）：lookup 应返回 {s2}"
                              f"（前 {u1} 块都算好，其中最长的有快照的前缀），得到 {got}；{r}"
                              + (f"\n  看起来像易错点：{mistake}" if mistake else ""))
-    if list(cache.entries)[-1] != keys[s2]:
-        raise AssertionError(f"lookup 命中了 hits[:{s2}] 的快照，它应移到 LRU 队尾（entries 的最后）；{r}"
-                             + (f"\n  看起来像易错点：{NO_TOUCH}" if list(cache.entries) == order else ""))
+    _check_touched(cache, order, keys, s2, f"{where}，hits[{u1}] 和 hits[{u2}] 没算好", r)
 
     # two requests resume from that one snapshot: restore copies it, the entry stays
     row = cache.entries[keys[s2]]
@@ -552,8 +580,11 @@ def test_snapshot_dies_with_its_blocks():
     h = _seq(e02, prompt[:2 * bs] + [2, 3], bs)               # KV lookup finds g's blocks: registered, not computed
     bm.allocate(h)
     if h.num_cached_tokens:
-        raise AssertionError(f"h 的 KV 命中的是 g 刚登记、还没算过的块（g 还没跑过一步），a 的快照不能让它命中："
-                             f"num_cached_tokens 应为 0，得到 {h.num_cached_tokens}；{r}\n  看起来像易错点：{STALE}")
+        # g's blocks still marked computed: _allocate_block kept the old owner's flag; else lookup ignored it
+        kept = [bm.computed[b] for b in g.block_table]
+        raise AssertionError(f"h 的 KV 命中的是 g 刚登记、还没算过的块（g 还没跑过一步，它的块 computed = {kept}），a 的快照不能让它"
+                             f"命中：num_cached_tokens 应为 0，得到 {h.num_cached_tokens}；{r}\n  看起来像易错点："
+                             + (REALLOC_COMPUTED if any(kept) else STALE))
     bm.deallocate(h)
     bm.deallocate(g)                                          # never computed: e02 drops their hashes
     live = _seq(e02, r.randint(1, 63, (bs + 1,)).tolist(), bs)    # another prefix, its KV still cached
@@ -616,25 +647,33 @@ def _one_block_seqs(e02, bm, pool, r: Rand, count: int, bs: int, tokens=None):
     return seqs
 
 
-@point("预算与 LRU：快照数不超过 num_snapshots，满了逐出最久未用的；命中刷新 LRU 顺序")
-def test_full_store_purges_before_evicting():
-    r = Rand()
-    bs = r.choice([2, 4])
-    size = r.int(3, 5)
-    m, e02, pool, cache, bm = _parts(r, 2 * (size + 1) + r.int(0, 4), size, bs, slots=size + 1)
-    *olds, new = _one_block_seqs(e02, bm, pool, r, size + 1, bs)
-    for i, s in enumerate(olds):                             # a full store, LRU order = olds
+def _store_with_dead(r: Rand, bs: int, size: int, taken: int, dead: list[int]):
+    """A store of `size` rows holding `taken` one-block snapshots in LRU order 0..taken-1, of which those in `dead`
+    can never be hit again (their sequences finished and their KV blocks went to a new owner), and a sequence
+    `new` whose first block is computed next: (pool, cache, bm, new, the snapshots' keys)."""
+    m, e02, pool, cache, bm = _parts(r, 2 * (taken + 1) + r.int(0, 4), size, bs, slots=taken + 1)
+    *olds, new = _one_block_seqs(e02, bm, pool, r, taken + 1, bs)
+    for i, s in enumerate(olds):
         _new_state(pool, s, r)
         _step(bm, cache, pool, s, bs)
         _check_taken(bm, cache, s, 1, f"第 {i} 条序列的 chunk ", r)
     keys = [_key(bm, s, 1) for s in olds]
-    dead = sorted(r.py.sample(range(1, size), r.int(1, size - 1)))     # never the LRU front
     for i in dead:                                           # finished; then their blocks are handed out again
         bm.deallocate(olds[i])
         pool.free(olds[i])
     filler = _seq(e02, [63] * (bm.num_free_blocks * bs), bs)
     bm.allocate(filler)
     assert all(keys[i] not in bm.hash_to_block_id for i in dead), "（检查的前提）这些前缀的 KV 块应已被逐出"
+    return pool, cache, bm, new, keys
+
+
+@point("预算与 LRU：快照数不超过 num_snapshots，满了逐出最久未用的；命中刷新 LRU 顺序")
+def test_full_store_purges_before_evicting():
+    r = Rand()
+    bs = r.choice([2, 4])
+    size = r.int(3, 5)
+    dead = sorted(r.py.sample(range(1, size), r.int(1, size - 1)))     # never the LRU front
+    pool, cache, bm, new, keys = _store_with_dead(r, bs, size, size, dead)   # a full store
     evicted = cache.stats["snapshots_evicted"]
     _new_state(pool, new, r)
     _step(bm, cache, pool, new, bs)
@@ -653,6 +692,31 @@ def test_full_store_purges_before_evicting():
     assert cache.stats["snapshots_evicted"] == evicted, \
         f"{when}有够不着的快照可丢，不该逐出任何快照（snapshots_evicted 从 {evicted} 变成 {cache.stats['snapshots_evicted']}）；{r}"
     _check_rows(cache, f"{when}（purge 之后）", r)
+
+
+@point("预算与 LRU：快照数不超过 num_snapshots，满了逐出最久未用的；命中刷新 LRU 顺序")
+def test_free_row_before_purge():
+    r = Rand()
+    bs = r.choice([2, 4])
+    size = r.int(3, 5)
+    taken = r.int(1, size - 1)                               # snapshots before the new one: a free row is left
+    dead = sorted(r.py.sample(range(taken), r.int(1, taken)))
+    pool, cache, bm, new, keys = _store_with_dead(r, bs, size, taken, dead)
+    free, evicted = sorted(cache.free_rows), cache.stats["snapshots_evicted"]
+    _new_state(pool, new, r)
+    _step(bm, cache, pool, new, bs)
+    when = (f"快照库 {size} 行里有 {taken} 份快照、{size - taken} 个空行，其中第 {dead} 份（从 LRU 队首数，0 起）的 KV 块"
+            f"已被逐出、再也够不着：再拍一份时")
+    _check_rows(cache, when, r)
+    _check_taken(bm, cache, new, 1, "新序列的 chunk ", r)
+    gone = [i for i in range(taken) if keys[i] not in cache.entries]
+    row = cache.entries.get(_key(bm, new, 1))
+    if gone or row not in free or cache.stats["snapshots_evicted"] != evicted:
+        raise AssertionError(
+            f"{when}应直接用一个空行（free_rows {free} 之一）：G5 的取行顺序是先用空行，没有空行才 purge、再没有才逐出；"
+            f"已有的 {taken} 份都留着（够不着的那几份等库满时再由 purge 收走）。得到新快照在第 {row} 行，第 {gone} 份不在表里了，"
+            f"逐出 {cache.stats['snapshots_evicted'] - evicted} 份；{r}"
+            + (f"\n  看起来像易错点：{PURGE_EARLY}" if gone and sorted(gone) == dead else ""))
 
 
 @point("预算与 LRU：快照数不超过 num_snapshots，满了逐出最久未用的；命中刷新 LRU 顺序")
@@ -756,15 +820,21 @@ COMPUTED_POINT = ("computed 与登记：写满 KV 的块才算好；换了主人
                   "同一内容有算好的拷贝时，登记指向算好的那份")
 
 
-def _wait_predictions(raw: int, usable: int, last_computed: bool, num_tokens: int, bs: int) -> dict[str, bool]:
+def _wait_predictions(raw: int, usable: int, last_computed: bool, num_tokens: int, bs: int,
+                      num_prompt: int | None = None) -> dict[str, bool]:
     """Whether each rule (the right one and the classic wrong ones) makes a request wait: raw = blocks of its
-    KV hit run, usable = blocks of its usable hit."""
+    KV hit run, usable = blocks of its usable hit; num_prompt < num_tokens for a preempted request (it has
+    generated tokens and went back to waiting)."""
     uncomputed = not last_computed
-    return {"right": uncomputed and 2 * (raw - usable) * bs >= num_tokens - usable * bs,
+    num_prompt = num_tokens if num_prompt is None else num_prompt
+    right = uncomputed and 2 * (raw - usable) * bs >= num_tokens - usable * bs
+    return {"right": right,
             "never": False,
             "strict": uncomputed and 2 * (raw - usable) * bs > num_tokens - usable * bs,
             "whole": uncomputed and 2 * raw * bs >= num_tokens,
-            "computed_too": 2 * (raw - usable) * bs >= num_tokens - usable * bs}
+            "computed_too": 2 * (raw - usable) * bs >= num_tokens - usable * bs,
+            "prompt_only": uncomputed and 2 * (raw - usable) * bs >= num_prompt - usable * bs,
+            "fresh_only": right and num_prompt == num_tokens}
 
 
 WAIT_MISTAKES = {
@@ -775,6 +845,10 @@ WAIT_MISTAKES = {
     "whole": ("门槛没有扣掉可用命中：已经能从快照恢复的那一段既不是等来的、也不用算，"
               "比的应是可用命中之后的部分（等来的 vs 要算的）"),
     "computed_too": "命中串末块已经算好了还在等：那一块没有人会再算、也不会再拍快照，请求会一直等下去",
+    "prompt_only": ("等待门槛里“要算的”只数了 prompt（num_prompt_tokens）：被抢占的请求回到等待队列时已经生成过 "
+                    "token，重新接纳后要算的是它全部的 token（num_tokens），可用命中之后的全部"),
+    "fresh_only": ("只让新请求等、被抢占的请求从来不等：被抢占的请求回到等待队列，要的前缀正被别人算着时同样适用 G1"
+                   "（它重新接纳后一样要从头算那段前缀）"),
 }
 
 
@@ -792,9 +866,12 @@ def test_wait_for_a_prefix_computed_this_step():
     last = a.block_table[s - 1]
     observed, cases = [], []
 
-    def ask(t: int, usable: int, last_computed: bool, what: str) -> None:
-        """A request sharing the s blocks, then t tokens of its own: can it be admitted now?"""
+    def ask(t: int, usable: int, last_computed: bool, what: str, generated: int = 0) -> None:
+        """A request sharing the s blocks, then t tokens of its own: can it be admitted now? generated > 0: it was
+        preempted after generating that many tokens (they follow its prompt; it holds no blocks again)."""
         b = _seq(e02, system + r.randint(32, 63, (t,)).tolist(), bs)
+        for tok in r.randint(32, 63, (generated,)).tolist():
+            b.append_token(tok)
         free, wanted = bm.num_free_blocks, set(bm.wanted)
         got = bm.can_allocate(b)
         if type(got) is not bool:
@@ -809,11 +886,17 @@ def test_wait_for_a_prefix_computed_this_step():
             raise AssertionError(f"{what}：can_allocate 返回 True（接纳），wanted 不该变，得到新加入的 {sorted(added)}；{r}")
         bm.wanted = wanted                                   # every question starts from the same wanted set
         observed.append(not got)
-        cases.append((what, _wait_predictions(s, usable, last_computed, b.num_tokens, bs)))
+        cases.append((what, _wait_predictions(s, usable, last_computed, b.num_tokens, bs, b.num_prompt_tokens)))
 
     nothing = f"a 这一步刚接纳、还没算（前 {s} 块已登记，都没算好）"
     for t in (1, s * bs, s * bs + 1):
         ask(t, 0, False, f"{nothing}，b = 共享的 {s * bs} 个 token + 自己的 {t} 个")
+    # preempted requests (generated tokens, back in waiting): the tokens to compute are all of them
+    g = r.int(1, bs)
+    ask(s * bs, 0, False, f"{nothing}，b 是被抢占的请求：prompt = 共享的 {s * bs} 个 token + 自己的 {s * bs} 个，"
+                          f"已生成 {g} 个", generated=g)
+    ask(1, 0, False, f"{nothing}，b 是被抢占的请求：prompt = 共享的 {s * bs} 个 token + 自己的 1 个，已生成 1 个",
+        generated=1)
     _new_state(pool, a, r)
     _step(bm, cache, pool, a, u * bs)                         # a computed its first u blocks: a snapshot at uP
     part = f"a 算好了前 {u} 块、在 {u * bs} 拍了快照，第 {u}..{s - 1} 块还没算好"
@@ -912,9 +995,13 @@ def test_computed_blocks():
     filler = _seq(e02, [63] * (bm.num_free_blocks * bs), bs)  # hands every free block, a's too, to a new owner
     bm.allocate(filler)
     got = [bm.computed[b] for b in old]
-    if any(got) or set(old) & bm.wanted:
+    still = sorted(set(old) & bm.wanted)
+    if any(got) or still:
+        # each half names its own mistake: computed left True, or the block left in wanted (_allocate_block)
+        named = [m for bad, m in ((any(got), REALLOC_COMPUTED), (bool(still), REALLOC_WANTED)) if bad]
         raise AssertionError(f"a 结束后它的块 {old} 又分给了一条还没跑过的序列：这些块不该再算好（得到 computed {got}），"
-                             f"也不该还在 wanted 里（得到 {sorted(set(old) & bm.wanted)}）；{r}\n  看起来像易错点：{STALE}")
+                             f"也不该还在 wanted 里（得到 {still}）；{r}"
+                             + "".join(f"\n  看起来像易错点：{m}" for m in named))
 
 
 def _two_sharing(e02, r: Rand, s: int, bs: int):
@@ -998,6 +1085,11 @@ def test_registration_survives_a_preempted_owner():
                              f"得到 {reg}（池子末尾两块 {num_blocks - 2}、{num_blocks - 1} 是别的请求算好、已释放的块）；{r}")
     bm.allocate(b)
     pool.allocate(b)
+    reg = [bm.hash_to_block_id.get(h) for h in hashes]
+    if reg != b.block_table[:s]:
+        raise AssertionError(f"a、b 同一步接纳、各自登记同一段前 {s} 块，两份都还没算：算好的拷贝一份都没有时照 e02，新登记的 b 那份"
+                             f"生效（hash_to_block_id 应指向 b 的 {b.block_table[:s]}），得到 {reg}（a 的是 {a.block_table[:s]}）；{r}"
+                             + (f"\n  看起来像易错点：{FIRST_WINS}" if reg == a.block_table[:s] else ""))
     bm.deallocate(a)                                         # preempted before its first step: it computed nothing
     _new_state(pool, b, r)
     _step(bm, cache, pool, b, u * bs)

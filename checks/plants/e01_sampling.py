@@ -139,4 +139,13 @@ PLANTS = [
           old="        self.stop_token_ids = frozenset(self.stop_token_ids)\n",
           new="        self.stop_token_ids = list(self.stop_token_ids)\n",
           expect="stop_token_ids 原样存成了 list"),
+    # issue 45: the contract between e01 and e06 (the error's param is the message's first word)
+    Plant("message_not_field_first", "ValueError 的消息没有以字段名开头",
+          old='raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")',
+          new='raise ValueError(f"top_p={self.top_p!r} is not in (0, 1]")',
+          expect="没有以字段名开头"),
+    Plant("stop_ids_list_only", "stop_token_ids 只对 list 逐个检查了元素",
+          old="        for token in self.stop_token_ids:\n",
+          new="        for token in (self.stop_token_ids if isinstance(self.stop_token_ids, list) else ()):\n",
+          expect="只对 list 逐个检查了元素"),
 ]

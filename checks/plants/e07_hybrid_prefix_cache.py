@@ -164,11 +164,11 @@ PLANTS = [
     Plant("realloc_keeps_computed", "分给新主人的块没有清掉 computed、没有移出 wanted",
           old="        self.computed[block_id] = False               # a new owner: registered now, written by a later step\n",
           new="",
-          expect="不该再算好"),
+          expect="没有清掉 computed（_allocate_block）"),
     Plant("realloc_keeps_wanted", "分给新主人的块没有清掉 computed、没有移出 wanted",
           old="        self.wanted.discard(block_id)\n        return block_id\n",
           new="        return block_id\n",
-          expect="也不该还在 wanted 里"),
+          expect="没有移出 wanted（_allocate_block）"),
     Plant("partial_block_computed", "只填了一部分的块也标成了算好",
           old="        done = (seq.num_cached_tokens + seq.num_scheduled_tokens) // self.block_size\n",
           new="        done = -(-(seq.num_cached_tokens + seq.num_scheduled_tokens) // self.block_size)\n",
@@ -199,4 +199,36 @@ PLANTS = [
           old="            if old is not None and old != h and old in self.entries:\n",
           new="            if old is not None and old != h:\n",
           expect="丢旧快照前没有确认它还在表里"),
+    # issue 45: state histories the checks did not draw, and messages that name what the evidence singles out
+    Plant("wait_prompt_only", "等待门槛里“要算的”只数了 prompt（num_prompt_tokens）",
+          old="            if 2 * (len(raw) - usable) * self.block_size >= seq.num_tokens - usable * self.block_size:\n",
+          new="            if 2 * (len(raw) - usable) * self.block_size >= seq.num_prompt_tokens - usable * self.block_size:\n",
+          expect="只数了 prompt"),
+    Plant("wait_fresh_only", "只让新请求等，被抢占的请求从来不等",
+          old="        if raw and not self.computed[raw[-1]]:\n",
+          new="        if raw and not self.computed[raw[-1]] and seq.num_tokens == seq.num_prompt_tokens:\n",
+          expect="被抢占的请求从来不等"),
+    Plant("purge_with_free_rows", "还有空行时也先 purge 了",
+          old="        if not self.free_rows:\n            self.purge()\n        if not self.free_rows:\n",
+          new="        self.purge()\n        if not self.free_rows:\n",
+          expect="还有空行时也先 purge 了"),
+    Plant("lookup_touches_all", "lookup 把命中串里别的快照也刷新了",
+          old="        for n in range(computed, 0, -1):\n"
+              "            h = bm.blocks[hits[n - 1]].hash\n"
+              "            if h in self.entries:\n"
+              "                self.entries.move_to_end(h)\n"
+              "                return n\n"
+              "        return 0\n",
+          new="        best = 0\n"
+              "        for n in range(1, computed + 1):             # every snapshot of the run counts as used\n"
+              "            h = bm.blocks[hits[n - 1]].hash\n"
+              "            if h in self.entries:\n"
+              "                self.entries.move_to_end(h)\n"
+              "                best = n\n"
+              "        return best\n",
+          expect="lookup 把命中串里别的快照也刷新了"),
+    Plant("first_copy_wins", "_cache_block 让最先登记的拷贝一直生效",
+          old="        if old != -1 and old != block_id and self.computed[old]:\n",
+          new="        if old != -1 and old != block_id:\n",
+          expect="_cache_block"),
 ]
