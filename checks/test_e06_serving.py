@@ -228,13 +228,17 @@ def test_parse_request_fields():
                                                         "chat": True}, body,
             {"params.max_tokens": "chat 的 max_completion_tokens 被忽略了（它是 OpenAI 现在的名字，优先于 max_tokens）",
              "prompt_ids": "chat 的 prompt 应是 apply_chat_template(messages, tokenize=False, add_generation_prompt=True) 再编码"})
-    # exactly at every bound: 4 stop strings, one of MAX_STOP_CHARS characters, MAX_STOP_TOKEN_IDS ids, a message
+    # exactly at every bound: MAX_STOP stop strings, one of MAX_STOP_CHARS characters, MAX_STOP_TOKEN_IDS ids, a message
     # with every allowed key (role, content, name)
     stops = [_text(r, 1) + str(i) for i in range(m.MAX_STOP - 1)] + ["x" * m.MAX_STOP_CHARS]
     ids_bound = list(range(m.MAX_STOP_TOKEN_IDS))
     body = {"model": MODEL, "prompt": text, "stop": stops, "stop_token_ids": ids_bound}
     _fields(_parsed(m, body, False, tok, max_model_len), {"stop": stops, "params.stop_token_ids": set(ids_bound)},
             body, {"stop": f"上限是“最多”：恰好 {m.MAX_STOP} 个 stop、恰好 {m.MAX_STOP_CHARS} 个字符的 stop 都合法"})
+    stops = [_text(r, 1) + "x" * (m.MAX_STOP_CHARS - 1) for _ in range(m.MAX_STOP_TOTAL // m.MAX_STOP_CHARS)]
+    body = {"model": MODEL, "prompt": text, "stop": stops}        # exactly MAX_STOP_TOTAL characters in all
+    _fields(_parsed(m, body, False, tok, max_model_len), {"stop": stops}, body,
+            {"stop": f"上限是“最多”：合计恰好 {m.MAX_STOP_TOTAL} 个字符的 stop 合法"})
     named = [{"role": "user", "content": _text(r, 3), "name": "u1"}]
     _parsed(m, {"model": MODEL, "messages": named}, True, tok, max_model_len)
     # a prompt of token ids holds ints only: a bool or a float among them is a 400 naming the prompt
@@ -294,7 +298,8 @@ def test_text_stream_stops():
     both = text[:o] + "Ω" + text[o + 1:]
     head = next(j for j in range(2, 5) if "\ufffd" not in text[:j] and text[:j] not in text[1:])  # only at 0
     cases = [(text, [short, long_stop]), (text, [long_stop, short]), (text, [long_stop]),
-             (both, ["Ω", both[o - 2:o + 1], long_stop]), (text, [long_stop, text[:head]])]   # a stop at position 0
+             (both, ["Ω", both[o - 2:o + 1], long_stop]), (text, [long_stop, text[:head]]),   # a stop at position 0
+             (text, [f"#{i}" * r.int(1, 9) for i in range(14)] + [long_stop, short])]   # 16 stops, as eval tools send
     for text, stops in cases:
         ids = tok.encode(text)
         stream = m.TextStream(tok, stops)
@@ -368,7 +373,7 @@ MESSAGE = "每条消息都要先经过 chat_message（先查是不是 JSON 对�
 USAGE_BOOL = "include_usage 只收 JSON 的 true / false：\"yes\"、1 被当成真值收下了（stream_options 要查 isinstance(..., bool)）"
 OVERFLOW = ("超大的整数（10**400，JSON 的整数没有大小限制）转成 float 时抛 OverflowError，不是 ValueError，变成了 500："
             "parse_request 不要自己 float() / math.isfinite，把值原样交给 SamplingParams（e01 把它变成点名字段的 ValueError）")
-STOP_COUNT = ("stop 的个数与长度没有上限（OpenAI：最多 4 个）：每个 token 都要在文本里找每一个 stop，"
+STOP_COUNT = ("stop 的个数与长度没有上限（MAX_STOP 个、每个 MAX_STOP_CHARS 个字符、合计 MAX_STOP_TOTAL 个字符）：每个 token 都要在文本里找每一个 stop，"
               "350000 个 stop 的请求让同一事件循环上的所有请求一起停住")
 STOP_IDS = "stop_token_ids 的个数没有上限：一百万个 id 的请求也被收下了"
 MAX_COMPLETION = ("max_completion_tokens 的错误点名了 max_tokens：客户端发的是 max_completion_tokens，"
@@ -448,8 +453,10 @@ BAD = [  # (what, endpoint, body, the field the error must name, the classic mis
     ("message 的 content 是空列表", "chat/completions", {"messages": [{"role": "user", "content": []}]}, "messages[0]",
      {200: CONTENT, 500: CONTENT}, None),
     ("message 不是对象", "chat/completions", {"messages": ["hi"]}, "messages[0]", {500: MESSAGE}, None),
-    ("5 个 stop 字符串", "completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop",
+    ("65 个 stop 字符串", "completions", {"prompt": "hi", "stop": [f"s{i}" for i in range(65)]}, "stop",
      {200: STOP_COUNT}, None),
+    ("合计 1025 个字符的 5 个 stop", "completions", {"prompt": "hi", "stop": ["x" * 205] * 4 + ["y" * 205]}, "stop",
+     {200: STOP_COUNT + "（每个都不超过 256，但合计超过 MAX_STOP_TOTAL：只查了单个的长度）"}, None),
     ("350000 个 stop 字符串", "completions", {"prompt": "hi", "stop": ["ab"] * 350000}, "stop", {200: STOP_COUNT}, None),
     ("257 个字符的 stop", "completions", {"prompt": "hi", "stop": ["x" * 257]}, "stop", {200: STOP_COUNT}, None),
     ("一百万个 stop_token_ids", "completions", {"prompt": "hi", "stop_token_ids": [1] * 1000000}, "stop_token_ids",
@@ -815,7 +822,7 @@ def _leave(url: str, r: Rand, streams: int, unary: bool, max_tokens: int) -> tup
 @point("8 个客户端中途断开：请求被 abort，block 与 GDN 状态槽位全部归还")
 def test_disconnect_aborts():
     r = Rand()
-    for family, streams, unary, max_tokens in (("qwen3", 8, True, 900), ("qwen3_5_text", 8, False, 480)):
+    for family, streams, unary, max_tokens in (("qwen3", 8, True, 900), ("qwen3_5_text", 8, False, 430)):
         url = _live(family=family)
         before, soon, steps = _leave(url, r, streams, unary, max_tokens)
         what = f"{family}：{streams + unary} 个客户端断开后"

@@ -49,11 +49,16 @@ FIELDS = {False: {"prompt": (str, list), "logprobs": INT, "echo": BOOL, **COMMON
 RETRY_AFTER_S = 1                                    # what a 503 tells the client to wait
 SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos")
 MAX_BODY_BYTES = 4 * 2**20                           # a larger body is refused (413) before it is read in full
-MAX_STOP, MAX_STOP_CHARS = 4, 256                    # OpenAI: up to 4 stop strings; each is searched at every token
+MAX_STOP, MAX_STOP_CHARS = 64, 256                   # stop strings per request, characters of one (OpenAI: 4)
+MAX_STOP_TOTAL = 1024                                # characters of all stop strings: each token's search costs this
 MAX_STOP_TOKEN_IDS = 256                             # held as a set by SamplingParams: a bound on the request's size
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")  # the Host headers served unless build_app is told more
 MAX_N = 16                                           # samples of one prompt per request (n), each an engine request
-MAX_CHOICES = 64                                     # prompts x n of one completions request
+MAX_CHOICES = 256                                    # prompts x n of one completions request (lm-eval's batches)
+MAX_RUNNING_CHOICES = 16                             # a response's choices in the engine at once; the rest wait
+ADMIT_RETRY_S = 0.05                                 # a waiting choice's next try when the engine is full
+MAX_TOKENIZE_CHARS = 2**20                           # /tokenize's text (a document, not a prompt), /detokenize's ids
+ROWS_PER_CHUNK = 256                                 # prompt logprob rows per logits call (V floats each)
 MAX_LOGPROBS = {False: 5, True: 20}                  # completions' logprobs, chat's top_logprobs (OpenAI's bounds)
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 log = logging.getLogger("course.serve")
@@ -223,6 +228,8 @@ def parse_request(body: object, chat: bool, tokenizer, model_name: str, max_mode
         raise RequestError("stop is a non-empty string or a list of them", "stop")
     if max(map(len, stop), default=0) > MAX_STOP_CHARS:
         raise RequestError(f"each stop string has at most {MAX_STOP_CHARS} characters", "stop")
+    if sum(map(len, stop)) > MAX_STOP_TOTAL:
+        raise RequestError(f"the stop strings have at most {MAX_STOP_TOTAL} characters in all", "stop")
     if len(body.get("stop_token_ids") or ()) > MAX_STOP_TOKEN_IDS:
         raise RequestError(f"stop_token_ids holds at most {MAX_STOP_TOKEN_IDS} ids", "stop_token_ids")
     sampling = {k: body[k] for k in SAMPLING if body.get(k) is not None}
@@ -249,8 +256,8 @@ class TextStream:
     """Incremental detokenization: token ids in, text deltas out; whole characters only, stop strings cut off.
 
     The decoding and the stop search per token do not grow with the text: only the tokens after the last whole
-    character are decoded again (a byte-level BPE's text is the concatenation of its tokens' bytes), and stop
-    strings are looked for only where one could end in the new text. (Rebuilding the text string still copies it:
+    character are decoded again (a byte-level BPE's text is the concatenation of its tokens' bytes), and each stop
+    string is looked for only where it could end in the new text (from len(s) - 1 characters before it). (Rebuilding the text string still copies it:
     a memcpy, a few microseconds at max_model_len.)
     """
 
@@ -270,8 +277,9 @@ class TextStream:
         self.token_ids.append(token_id)
         tail = self.tokenizer.decode(self.token_ids[self.done_ids:], skip_special_tokens=True)
         text = self.text[:self.done_chars] + tail
-        start = max(0, self.checked - self.hold)        # a stop string ending in the new text starts here or later
-        cuts = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+        # stop s, if it ends in the new text, starts at checked - len(s) + 1 or later: per token, the search covers
+        # the new characters plus the stop strings' total length (MAX_STOP_TOTAL), not count x the longest
+        cuts = [i for i in (text.find(s, max(0, self.checked - len(s) + 1)) for s in self.stop) if i >= 0]
         if cuts:
             text, self.stopped = text[:min(cuts)], True
         whole = len(text.rstrip("\ufffd"))             # an unfinished UTF-8 sequence decodes to U+FFFD
@@ -413,30 +421,96 @@ class AsyncEngine:
         return {**self.llm.stats, **gdn, "pending": self.pending, "unfinished": len(self.llm.requests)}
 
 
+@dataclass
+class Watch:
+    """LogprobTap's record of one watched choice (given code)."""
+    req: ParsedRequest
+    loop: asyncio.AbstractEventLoop
+    prompt: list | None = None     # a prompt scorer's entries so far (None: this choice does not score its prompt)
+    ready: asyncio.Future | None = None    # the scorer's prompt entries, for the prompt's other choices
+    done: bool = False             # the prompt's entries went out (with the first sample)
+
+
 class LogprobTap:
     """Logprobs for the requests that ask for them, on the engine thread (given code): the log-softmax of the model's
     raw logits, before temperature and top-k/p (vLLM's default logprobs mode, raw_logprobs).
 
     It wraps the runner's sampler: each watched row (a request's params) gets its sampled token's logprob and its
-    top k, taken before the sampler sees the logits. An echo request's prompt is scored once, at its first sample,
-    by a forward pass of the prompt alone that neither reads nor writes the KV cache (a prefix-cache hit skips
-    those positions' logits; vLLM skips the cache read instead). Entries go to the request's event loop with
-    call_soon_threadsafe, so each arrives before the token it belongs to: (text, logprob, [(text, logprob)] * k);
-    the prompt's first token has (text, None, None).
+    top k, taken before the sampler sees the logits. A prompt's logprobs (echo) are taken during its prefill, chunk
+    by chunk as the scheduler's token budget admits it: a forward hook reads the hidden states of the scorer's
+    prompt rows in each step (position p's logits give token p + 1's logprob). One choice per distinct prompt
+    scores it, and it reads no prefix-cache hit, as vLLM skips the cache for prompt_logprobs: a hit would skip those
+    positions' forward. Choices admits the prompt's other choices once the entries are in: they start with them,
+    and their prefill finds the scorer's blocks in the cache. (A position the hook cannot see, an e07 hybrid cache
+    hit, is filled by score(), a forward pass of the prompt alone.)
+    Entries go to the request's event loop with call_soon_threadsafe, so each arrives before the token it belongs
+    to: (text, logprob, [(text, logprob)] * k); the prompt's first token has (text, None, None).
     """
 
     def __init__(self, llm):
         self.llm = llm
-        self.watched: dict[int, list] = {}                          # id(params) -> [choice, its loop, prompt due]
+        self.watched: dict[int, Watch] = {}                         # id(params) -> its choice
+        self.texts: dict[int, str] = {}                             # token -> its text (the vocabulary at most)
         runner = llm.runner.__dict__.get("runner", llm.runner)      # e07's SnapshotRunner wraps e04's runner
         self.sampler, runner.sampler = runner.sampler, self.sample
+        self.run, runner.run = runner.run, self.step
+        self.batch: list | None = None                              # the sequences of the step being run
+        runner.model.register_forward_hook(self.prefill)
+        manager = llm.block_manager
+        if not hasattr(manager, "state_cache"):                     # e02's manager (e07's hybrid one keeps its hits)
+            manager._cached_prefix = self._no_hits(manager._cached_prefix)
 
-    def watch(self, req: ParsedRequest) -> None:
-        """(event loop) Before req's engine.add: its samples (and prompt, with echo) get logprobs."""
-        self.watched[id(req.params)] = [req, asyncio.get_running_loop(), req.echo]
+    def watch(self, req: ParsedRequest, scores_prompt: bool = False) -> None:
+        """(event loop) Before req's engine.add: its samples (and, if scores_prompt, its prompt) get logprobs."""
+        loop = asyncio.get_running_loop()
+        self.watched[id(req.params)] = Watch(req, loop, [(self.text(req.prompt_ids[0]), None, None)],
+                                             loop.create_future()) if scores_prompt else Watch(req, loop)
 
     def unwatch(self, req: ParsedRequest) -> None:
-        self.watched.pop(id(req.params), None)
+        watch = self.watched.pop(id(req.params), None)
+        if watch is not None and watch.ready is not None:
+            watch.ready.cancel()
+
+    def prompt_entries(self, req: ParsedRequest) -> asyncio.Future:
+        """(event loop) The future of a watched scorer's prompt entries."""
+        return self.watched[id(req.params)].ready
+
+    def _no_hits(self, cached_prefix):
+        """e02's _cached_prefix, empty for a prompt scorer: it computes every position (its full blocks are still
+        registered, so the prompt's other choices, admitted after it, find them all in the cache)."""
+        def hits(seq):
+            watch = self.watched.get(id(seq.sampling_params))
+            return [] if watch is not None and watch.prompt is not None and not watch.done else cached_prefix(seq)
+        return hits
+
+    def step(self, seqs: list) -> list[int]:
+        self.batch = seqs
+        try:
+            return self.run(seqs)
+        finally:
+            self.batch = None
+
+    @torch.inference_mode()
+    def prefill(self, model: nn.Module, args: tuple, hidden: torch.Tensor) -> None:
+        """(forward hook of the step's model call) Each scorer's prompt rows in this step: their logprobs."""
+        seqs, self.batch = self.batch, None                        # score()'s own forward passes find None
+        if not seqs or not self.watched:
+            return
+        cu = None
+        for i, seq in enumerate(seqs):
+            watch = self.watched.get(id(seq.sampling_params))
+            if watch is None or watch.prompt is None or watch.done:
+                continue
+            if cu is None:
+                cu = args[2].cu_seqlens_q.tolist()
+            ids, first = watch.req.prompt_ids, seq.num_cached_tokens        # row cu[i] is position `first`
+            if first > len(watch.prompt) - 1:                  # positions the step skipped (a cache hit): scored alone
+                watch.prompt = self.score(ids[:first + 1], watch.req.logprobs)
+            end = min(first + cu[i + 1] - cu[i], len(ids) - 1)
+            for start in range(len(watch.prompt) - 1, end, ROWS_PER_CHUNK):   # a preempted sequence's repeats skipped
+                stop = min(end, start + ROWS_PER_CHUNK)
+                rows = hidden[cu[i] + start - first:cu[i] + stop - first]
+                watch.prompt += self.entries(model.compute_logits(rows), ids[start + 1:stop + 1], watch.req.logprobs)
 
     def sample(self, logits: torch.Tensor, params: list, generators: list) -> torch.Tensor:
         rows = [(i, w) for i, p in enumerate(params) if (w := self.watched.get(id(p))) is not None]
@@ -444,26 +518,41 @@ class LogprobTap:
             return self.sampler(logits, params, generators)
         logprobs = torch.log_softmax(logits[[i for i, _ in rows]].float(), dim=-1)   # raw: before any warping
         tokens = self.sampler(logits, params, generators)
-        for (i, watched), row in zip(rows, logprobs):
-            req, loop, prompt_due = watched
-            entries = self.score(req.prompt_ids, req.logprobs) if prompt_due else []
-            watched[2] = False
-            entries.append(self.entry(row, int(tokens[i]), req.logprobs))
-            loop.call_soon_threadsafe(req.tokens.extend, entries)
+        for (i, watch), row in zip(rows, logprobs):
+            entries = []
+            if watch.prompt is not None and not watch.done:
+                if len(watch.prompt) < len(watch.req.prompt_ids):     # steps the hook did not see
+                    watch.prompt = self.score(watch.req.prompt_ids, watch.req.logprobs)
+                watch.done, entries = True, list(watch.prompt)
+                watch.loop.call_soon_threadsafe(_resolve, watch.ready, watch.prompt)
+            entries.append(self.entry(row, int(tokens[i]), watch.req.logprobs))
+            watch.loop.call_soon_threadsafe(watch.req.tokens.extend, entries)
         return tokens
 
     def text(self, token: int) -> str:
-        tokenizer = self.llm.tokenizer
-        return tokenizer.decode([token]) if tokenizer is not None else f"token_id:{token}"
+        text = self.texts.get(token)
+        if text is None:
+            tokenizer = self.llm.tokenizer
+            text = self.texts[token] = tokenizer.decode([token]) if tokenizer is not None else f"token_id:{token}"
+        return text
 
     def entry(self, row: torch.Tensor, token: int, k: int) -> tuple:
         top = torch.topk(row, k) if k else None
         pairs = zip(top.indices.tolist(), top.values.tolist()) if k else ()
         return self.text(token), float(row[token]), [(self.text(t), lp) for t, lp in pairs]
 
+    def entries(self, logits: torch.Tensor, tokens: list[int], k: int) -> list[tuple]:
+        """entry() of each row of logits [R, V] and its token, with one topk and one copy for all R rows."""
+        rows = torch.log_softmax(logits.float(), dim=-1)
+        chosen = rows.gather(1, torch.tensor(tokens, device=rows.device)[:, None])[:, 0].tolist()
+        top = torch.topk(rows, k, dim=-1) if k else None
+        tops = zip(top.indices.tolist(), top.values.tolist()) if k else [((), ())] * len(tokens)
+        return [(self.text(t), lp, [(self.text(a), b) for a, b in zip(*pairs)])
+                for t, lp, pairs in zip(tokens, chosen, tops)]
+
     @torch.inference_mode()
-    def score(self, prompt_ids: list[int], k: int, rows_per_chunk: int = 256) -> list[tuple]:
-        """The prompt's entries: position i's logits give token i + 1's logprob (token 0 has none)."""
+    def score(self, prompt_ids: list[int], k: int) -> list[tuple]:
+        """The entries of prompt_ids by a forward pass of them alone, without the KV cache (the fallback)."""
         model = self.llm.model
         layers = [layer.self_attn for layer in model.model.layers if getattr(layer, "self_attn", None) is not None]
         paged = [attn.attn for attn in layers]
@@ -478,11 +567,15 @@ class LogprobTap:
             for attn, backend in zip(layers, paged):
                 attn.attn = backend
         entries = [(self.text(prompt_ids[0]), None, None)]
-        for start in range(0, n - 1, rows_per_chunk):
-            end = min(n - 1, start + rows_per_chunk)
-            rows = torch.log_softmax(model.compute_logits(hidden[start:end]).float(), dim=-1)
-            entries += [self.entry(row, prompt_ids[start + j + 1], k) for j, row in enumerate(rows)]
+        for start in range(0, n - 1, ROWS_PER_CHUNK):
+            end = min(n - 1, start + ROWS_PER_CHUNK)
+            entries += self.entries(model.compute_logits(hidden[start:end]), prompt_ids[start + 1:end + 1], k)
         return entries
+
+
+def _resolve(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)
 
 
 def _reply(handle: Handle, item) -> None:
@@ -615,37 +708,107 @@ def choices_of(reqs: list[ParsedRequest]) -> list[ParsedRequest]:
     return group
 
 
-async def complete(engine: AsyncEngine, handles: list[Handle], req: ParsedRequest, model: str) -> dict:
+class Choices:
+    """The choices of one response on their way into the engine (given code).
+
+    A response may carry MAX_CHOICES choices (lm-evaluation-harness sends a batch of prompts as one request). At most
+    MAX_RUNNING_CHOICES of them are in the engine at once; the next one is admitted as one ends, so a large request
+    queues behind its own choices instead of filling the engine ahead of everyone else. The first choice is admitted
+    before the response starts (Overloaded: a 503); a later one that finds the engine full waits for room (its
+    request was admitted already). With echo and logprobs, the first choice of each distinct prompt scores the
+    prompt (LogprobTap) and the prompt's other choices are admitted once those entries are in: they start with them.
+    """
+
+    def __init__(self, engine: AsyncEngine, group: list[ParsedRequest], in_flight: dict | None = None):
+        self.engine, self.group, self.in_flight = engine, group, {} if in_flight is None else in_flight
+        self.handles: list[Handle | None] = [None] * len(group)
+        self.room = asyncio.Semaphore(MAX_RUNNING_CHOICES)
+        self.lead: list[ParsedRequest | None] = []         # the choice that scores choice i's prompt, if not i itself
+        scorers: dict[tuple[int, ...], ParsedRequest] = {}
+        for choice in group:
+            scores = choice.echo and choice.logprobs is not None
+            lead = scorers.setdefault(tuple(choice.prompt_ids), choice) if scores else choice
+            self.lead.append(None if lead is choice else lead)
+            if choice.logprobs is not None:
+                engine.tap.watch(choice, scores_prompt=scores and lead is choice)
+
+    async def admit(self, i: int) -> Handle:
+        """Choice i's handle: admitted now (or already); it holds one of the response's running places until done(i)."""
+        if self.handles[i] is not None:
+            return self.handles[i]
+        choice, lead = self.group[i], self.lead[i]
+        if lead is not None:                                # the prompt's entries first, then its own tokens
+            choice.tokens.extend(await asyncio.shield(self.engine.tap.prompt_entries(lead)))
+        await self.room.acquire()
+        try:
+            while True:
+                try:
+                    handle = await self.engine.add(choice.prompt_ids, choice.params)
+                    break
+                except Overloaded:
+                    if i == 0:                               # before the response: the client is told to retry
+                        raise
+                    await asyncio.sleep(ADMIT_RETRY_S)
+        except BaseException:
+            self.room.release()
+            raise
+        self.handles[i] = self.in_flight[id(handle)] = handle
+        return handle
+
+    def done(self, i: int) -> None:
+        """Choice i has ended (its run_request released its handle): its running place goes to the next choice."""
+        if self.handles[i] is not None:
+            self.room.release()
+
+    def close(self) -> None:
+        """However the response ends: every admitted choice released, every logprob registration dropped."""
+        for handle in self.handles:
+            if handle is not None and not handle.released:
+                self.engine.release(handle)
+        for choice in self.group:
+            self.engine.tap.unwatch(choice)
+
+
+async def complete(engine: AsyncEngine, run: Choices, req: ParsedRequest, model: str) -> dict:
     """The non-streaming answer: each choice's deltas joined with its finish_reason; usage over every choice."""
-    async def one(handle: Handle, choice: ParsedRequest) -> dict:
-        parts, finish = [], None
-        async for delta, finish in run_request(engine, handle, choice):
-            parts.append(delta)
+    async def one(i: int, choice: ParsedRequest) -> dict:
+        handle = await run.admit(i)
+        try:
+            parts, finish = [], None
+            async for delta, finish in run_request(engine, handle, choice):
+                parts.append(delta)
+        finally:
+            run.done(i)
         return _choice(choice, "".join(parts), finish) | {"index": choice.index}
 
     async with asyncio.TaskGroup() as group:          # one failing choice cancels the others
-        tasks = [group.create_task(one(h, c)) for h, c in zip(handles, req.group)]
-    return _body(req, handles[0], model, [], True) | {"choices": [t.result() for t in tasks]}
+        tasks = [group.create_task(one(i, c)) for i, c in enumerate(req.group)]
+    return _body(req, run.handles[0], model, [], True) | {"choices": [t.result() for t in tasks]}
 
 
 DONE = "data: [DONE]\n\n"
 
 
-async def interleaved(engine: AsyncEngine, handles: list[Handle], req: ParsedRequest, model: str
-                      ) -> AsyncIterator[str]:
+async def interleaved(engine: AsyncEngine, run: Choices, req: ParsedRequest, model: str) -> AsyncIterator[str]:
     """Several choices, streaming (given code): every choice's sse_frames at once, their frames in the order they come (each
     carries its choice's index); then one usage frame over every choice (if asked) and one [DONE]. A choice's
     error frame ends the whole stream."""
     frames: asyncio.Queue = asyncio.Queue()
 
-    async def pump(handle: Handle, choice: ParsedRequest) -> None:
+    async def pump(i: int, choice: ParsedRequest) -> None:
         try:
-            async for frame in sse_frames(engine, handle, choice, model):
-                frames.put_nowait(frame)
+            handle = await run.admit(i)
+            try:
+                async for frame in sse_frames(engine, handle, choice, model):
+                    frames.put_nowait(frame)
+            finally:
+                run.done(i)
+        except Exception as exc:                      # a later choice the engine refused: an error event
+            frames.put_nowait(_sse(error_body(exc)[1]))
         finally:
             frames.put_nowait(None)
 
-    tasks = [asyncio.ensure_future(pump(h, c)) for h, c in zip(handles, req.group)]
+    tasks = [asyncio.ensure_future(pump(i, c)) for i, c in enumerate(req.group)]
     try:
         running, failed = len(tasks), False
         while running and not failed:
@@ -656,7 +819,7 @@ async def interleaved(engine: AsyncEngine, handles: list[Handle], req: ParsedReq
                 failed = frame.startswith('data: {"error"')
                 yield frame
         if req.include_usage and not failed:
-            yield _sse(_body(req, handles[0], model, [], True))
+            yield _sse(_body(req, run.handles[0], model, [], True))
         yield DONE
     finally:                                          # the client left: every choice's run_request releases
         for task in tasks:
@@ -725,20 +888,17 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     parser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parse")    # one thread: the tokenizer's only user
 
     def parse(raw: bytes, chat: bool) -> list[ParsedRequest]:
-        """On the parser thread: JSON (strict: no NaN, depth-bounded), then parse_request (template, tokenizer) for
-        each prompt (completions: a list of strings or of token-id lists is several prompts), then output_options."""
-        try:
-            body = json.loads(raw, parse_constant=_no_constant)
-        except (ValueError, RecursionError) as exc:    # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            raise RequestError(f"the body is not valid JSON: {str(exc)[:200]}", code="invalid_json") from None
+        """On the parser thread: JSON (strict: no NaN, depth-bounded), every list's length (check_lengths, before
+        any item is looked at), then parse_request (template, tokenizer) for each prompt (completions: a list of
+        strings or of token-id lists is several prompts), then output_options."""
+        body = _json(raw)
+        check_lengths(body, chat, max_model_len)
         prompts = body.get("prompt") if isinstance(body, dict) and not chat else None
         bodies = [body]
         if isinstance(prompts, list) and prompts and all(isinstance(p, (str, list)) for p in prompts):
             bodies = [body | {"prompt": p} for p in prompts]
         reqs = [parse_request(b, chat, engine.llm.tokenizer, model_name, max_model_len) for b in bodies]
         n, logprobs, echo = output_options(body, chat)
-        if len(reqs) * n > MAX_CHOICES:
-            raise RequestError(f"{len(reqs)} prompts x n = {n} is more than {MAX_CHOICES} samples", "prompt")
         for req in reqs:
             req.n, req.logprobs, req.echo = n, logprobs, echo
             if echo:
@@ -758,41 +918,33 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                                status=415, code="unsupported_media_type")
 
     async def generate(request: Request, chat: bool):
-        choices, handles = [], []
+        run = None
 
         def done() -> None:                               # however the request ends: every choice released
-            for handle in handles:
-                if not handle.released:
-                    engine.release(handle)
-            for choice in choices:
-                engine.tap.unwatch(choice)
+            if run is not None:
+                run.close()
 
         try:
             check_client(request, body=True)
             raw = await _read_body(request, max_body_bytes)
             reqs = await asyncio.get_running_loop().run_in_executor(parser, parse, raw, chat)
             req = reqs[0]                                 # the response's fields (stream, usage, group)
-            for choice in choices_of(reqs):               # n engine requests per prompt, admitted one by one
-                choices.append(choice)
-                if choice.logprobs is not None:
-                    engine.tap.watch(choice)
-                handles.append(await engine.add(choice.prompt_ids, choice.params))
+            run = Choices(engine, choices_of(reqs), in_flight)   # n engine requests per prompt
+            await run.admit(0)                            # the first now: a full engine is a 503 before the 200
         except (RequestError, Overloaded, EngineError) as exc:
             done()
             return error_response(exc)
         except BaseException:
             done()
             raise
-        for choice in (req, *choices):
-            choice.response_id = f"{'chatcmpl' if chat else 'cmpl'}-{handles[0].request_id}"
-        for handle in handles:
-            in_flight[id(handle)] = handle
+        for choice in (req, *run.group):
+            choice.response_id = f"{'chatcmpl' if chat else 'cmpl'}-{run.handles[0].request_id}"
         if req.stream:
-            frames = sse_frames(engine, handles[0], req, model_name) if len(choices) == 1 else \
-                interleaved(engine, handles, req, model_name)
+            frames = sse_frames(engine, run.handles[0], req, model_name) if len(run.group) == 1 else \
+                interleaved(engine, run, req, model_name)
             return ReleasingStream(frames, done, media_type="text/event-stream")
         try:
-            return await _unless_disconnected(request, complete(engine, handles, req, model_name))
+            return await _unless_disconnected(request, complete(engine, run, req, model_name))
         finally:
             done()
 
@@ -812,6 +964,91 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             return error_response(exc)
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "course",
                                             "max_model_len": max_model_len}]}
+
+    def tokenize(raw: bytes) -> dict:
+        """/tokenize on the parser thread (vLLM's shape): {"prompt": str} or {"messages": [...]} (the chat template
+        with add_generation_prompt, default true), add_special_tokens (default true for a prompt, false for
+        messages), return_token_strs -> {"count", "max_model_len", "tokens", "token_strs"}. Unlike a completion the
+        text may be longer than the context (evaluation tools cut long documents into windows themselves)."""
+        body, tokenizer = _fields(_json(raw), TOKENIZE_FIELDS, model_name), engine.llm.tokenizer
+        if tokenizer is None:
+            raise RequestError("this model has no tokenizer", "prompt")
+        chat = "messages" in body
+        if chat == ("prompt" in body):
+            raise RequestError("send either prompt (a string) or messages", "prompt")
+        if chat:
+            messages = body["messages"]
+            if not messages or len(messages) > MAX_TOKENIZE_CHARS // 16:
+                raise RequestError(f"messages holds 1 to {MAX_TOKENIZE_CHARS // 16} messages", "messages")
+            messages = [chat_message(m, i) for i, m in enumerate(messages)]
+            for i, m in enumerate(messages):
+                _unicode(m["content"], f"messages[{i}]")
+            if sum(len(m["content"]) for m in messages) > MAX_TOKENIZE_CHARS:
+                raise RequestError(f"the messages have more than {MAX_TOKENIZE_CHARS} characters", "messages")
+            if not getattr(tokenizer, "chat_template", None):
+                raise RequestError("this model has no chat template", "messages")
+            try:
+                text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=body.get(
+                    "add_generation_prompt", True) is not False)
+            except Exception as exc:
+                raise RequestError(f"the chat template refused these messages: {exc}", "messages") from None
+        else:
+            text = _unicode(body["prompt"], "prompt")
+            if len(text) > MAX_TOKENIZE_CHARS:
+                raise RequestError(f"the prompt has more than {MAX_TOKENIZE_CHARS} characters", "prompt")
+        special = body.get("add_special_tokens")
+        ids = list(tokenizer.encode(text, add_special_tokens=(not chat) if special is None else special))
+        strs = tokenizer.convert_ids_to_tokens(ids) if body.get("return_token_strs") else None
+        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
+
+    def detokenize(raw: bytes) -> dict:
+        """/detokenize on the parser thread: {"tokens": [ids]} -> {"prompt": their text}."""
+        body, tokenizer = _fields(_json(raw), DETOKENIZE_FIELDS, model_name), engine.llm.tokenizer
+        ids = body.get("tokens")
+        if ids is None or len(ids) > MAX_TOKENIZE_CHARS:
+            raise RequestError(f"tokens is a list of at most {MAX_TOKENIZE_CHARS} token ids", "tokens")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < engine.llm.vocab_size for t in ids):
+            raise RequestError(f"tokens holds token ids in [0, {engine.llm.vocab_size})", "tokens")
+        if tokenizer is None:
+            raise RequestError("this model has no tokenizer", "tokens")
+        return {"prompt": tokenizer.decode(ids)}
+
+    async def tokenizer_route(request: Request, work):
+        try:
+            check_client(request, body=True)
+            raw = await _read_body(request, max_body_bytes)
+            return JSONResponse(await asyncio.get_running_loop().run_in_executor(parser, work, raw))
+        except RequestError as exc:
+            return error_response(exc)
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        return await tokenizer_route(request, tokenize)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        return await tokenizer_route(request, detokenize)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request):
+        """vLLM's /tokenizer_info: the tokenizer's init_kwargs (file paths dropped, special tokens as their text),
+        tokenizer_class and chat_template; lm-evaluation-harness's remote tokenizer reads eos_token, bos_token,
+        pad_token and chat_template from it."""
+        try:
+            check_client(request, body=False)
+            tokenizer = engine.llm.tokenizer
+            if tokenizer is None:
+                raise RequestError("this model has no tokenizer", status=404, code="not_found")
+        except RequestError as exc:
+            return error_response(exc)
+        info = {k: v for k, v in (getattr(tokenizer, "init_kwargs", None) or {}).items()
+                if k not in ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")}
+        for name in ("eos_token", "bos_token", "pad_token"):
+            info.setdefault(name, getattr(tokenizer, name, None))
+        info = json.loads(json.dumps(info, default=lambda v: getattr(v, "content", None)))   # AddedToken: its text
+        template = getattr(tokenizer, "chat_template", None)
+        return info | {"tokenizer_class": type(tokenizer).__name__} | (
+            {"chat_template": template} if isinstance(template, str) else {})
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):       # unknown path, wrong method: OpenAI's shape
@@ -872,6 +1109,62 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
+def _json(raw: bytes) -> object:
+    """The body as JSON (strict: no NaN or Infinity; too deep a nesting is a 400, not a RecursionError's 500)."""
+    try:
+        return json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:        # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise RequestError(f"the body is not valid JSON: {str(exc)[:200]}", code="invalid_json") from None
+
+
+TOKENIZE_FIELDS = {"model": TEXT, "prompt": TEXT, "messages": list, "add_special_tokens": BOOL,
+                   "add_generation_prompt": BOOL, "return_token_strs": BOOL}
+DETOKENIZE_FIELDS = {"model": TEXT, "tokens": list}
+
+
+def _fields(body: object, fields: dict, model_name: str) -> dict:
+    """`body` when it is a JSON object of known fields of the right JSON types, naming `model_name` if any model."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    for name, value in body.items():
+        kind = fields.get(name)
+        if kind is None:
+            raise RequestError(f"unknown field {name!r}", name, code="unknown_parameter")
+        ok = isinstance(value, bool) if kind is BOOL else isinstance(value, kind) and not isinstance(value, bool)
+        if value is not None and not ok:
+            raise RequestError(f"{name} has the wrong type ({type(value).__name__})", name, code="invalid_type")
+    if body.get("model") not in (None, model_name):
+        raise RequestError(f"the model {body['model']!r} does not exist; this server has {model_name!r}",
+                           "model", status=404, code="model_not_found")
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def check_lengths(body: object, chat: bool, max_model_len: int) -> None:
+    """Every list of a body has a bounded length, checked before any item is looked at (given code), so that the work
+    of parsing one request stays bounded however its 4 MiB are spent: completions carry at most MAX_CHOICES samples
+    (prompts x n) and a prompt of token ids fewer than max_model_len ids; chat at most max_model_len messages (each
+    takes a token at least). parse_request bounds stop and stop_token_ids before reading their items."""
+    if not isinstance(body, dict):
+        return
+    prompt = body.get("messages" if chat else "prompt")
+    if not isinstance(prompt, list) or not prompt:
+        return
+    if chat:
+        if len(prompt) > max_model_len:
+            raise RequestError(f"messages holds {len(prompt)} messages; this model's context is {max_model_len} tokens",
+                               "messages", code="context_length_exceeded")
+        return
+    n = body.get("n")
+    n = n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_N else 1
+    several = isinstance(prompt[0], (str, list))                  # a list of prompts, not one of token ids
+    if several and len(prompt) * n > MAX_CHOICES:
+        raise RequestError(f"{len(prompt)} prompts x n = {n} is more than {MAX_CHOICES} samples", "prompt")
+    for ids in prompt if several else [prompt]:
+        if isinstance(ids, list) and len(ids) >= max_model_len:
+            raise RequestError(f"the prompt has {len(ids)} tokens; this model's context is {max_model_len}", "prompt",
+                               code="context_length_exceeded")
+
+
 async def _read_body(request: Request, limit: int) -> bytes:
     """The body, or RequestError 413 as soon as it (or its Content-Length) passes `limit` bytes."""
     too_big = RequestError(f"the request body is larger than {limit} bytes", status=413, code="request_too_large")
@@ -904,6 +1197,8 @@ async def _unless_disconnected(request: Request, work) -> JSONResponse | None:
         task.cancel()
         return None
     try:
-        return JSONResponse(task.result())
+        body = task.result()
     except Exception as exc:                          # an engine failure: a 500 for this request only
         return error_response(exc)
+    # a response of many choices with logprobs runs to megabytes: rendered on a worker thread, not the event loop
+    return await asyncio.get_running_loop().run_in_executor(None, JSONResponse, body)

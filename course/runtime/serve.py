@@ -8,8 +8,9 @@
 There is no authentication unless --api-key is given: anyone who can reach the port can spend the machine's compute.
 Only the Host names localhost, 127.0.0.1 and [::1] are served (against DNS rebinding), plus the --host it binds
 (any name when that is 0.0.0.0 or ::) and each --allowed-host. A connection gets HEADER_TIMEOUT_S to send its request
-headers; beyond max_connections() open connections the oldest idle one is closed, so idle sockets cannot use up the
-open files.
+headers and BODY_TIMEOUT_S more for the body; beyond max_connections() open connections the oldest idle one is closed,
+else the one whose unfinished body arrives slowest, so neither idle sockets nor half-sent bodies can use up the open
+files or the connections. --max-model-len is capped at the model's max_position_embeddings.
 Needs fastapi, uvicorn (and the openai client for the checks): they are in pyproject.toml.
 """
 
@@ -18,11 +19,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import ipaddress
+import json
 import os
 import resource
 import socket
 import threading
 import time
+from pathlib import Path
 
 from ..grader import registry, select, state
 from .run import auto_selection, tiny_dummy_config
@@ -31,6 +34,7 @@ PACKAGES = ("fastapi", "uvicorn")
 DUMMY_NAME = "qwen3-tiny-dummy"
 GRACEFUL_SHUTDOWN_S = 5        # Ctrl-C: open connections get this long, then they are closed (a half-sent body too)
 HEADER_TIMEOUT_S = 10          # a connection that has not sent its request headers by then is closed
+BODY_TIMEOUT_S = 60            # a request whose body has not fully arrived this long after its headers: closed
 MAX_CONNECTIONS = 1024         # open connections at most (and at most a quarter of the process's open-file limit)
 LISTEN_BACKLOG = 2048           # connections the kernel queues before accept (uvicorn's default)
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
@@ -49,6 +53,20 @@ def raise_file_limit(target: int = 65536) -> None:
     want = target if hard == resource.RLIM_INFINITY else min(target, hard)
     if soft != resource.RLIM_INFINITY and soft < want:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
+def model_max_len(folder: str, requested: int) -> int:
+    """`requested`, but never beyond the model's max_position_embeddings (config.json, or its text_config: positions
+    past it were never trained, and /v1/models must not promise them)."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return requested
+    for part in (config, config.get("text_config") or {}, (config.get("thinker_config") or {}).get("text_config") or {}):
+        limit = part.get("max_position_embeddings") if isinstance(part, dict) else None
+        if isinstance(limit, int) and limit > 0:
+            return min(requested, limit)
+    return requested
 
 
 def allowed_hosts(host: str, extra: list[str] | tuple[str, ...] = ()) -> tuple[str, ...] | None:
@@ -92,7 +110,7 @@ def dummy_llm(e05, seed: int = 0, **engine_kwargs):
     return e05.LLM(tiny_dummy_config(len(tokenizer)), tokenizer=tokenizer, seed=seed, **engine_kwargs)
 
 
-def guarded_server(app, host: str, port: int, **config):
+def guarded_server(app, host: str, port: int, limit: int | None = None, body_timeout: float = BODY_TIMEOUT_S, **config):
     """A uvicorn.Server for `app` whose connections are bounded (guarded_protocol) and whose shutdown first ends the
     requests in flight (app.state.shutting_down: each open stream gets an error event and [DONE])."""
     import uvicorn
@@ -111,37 +129,66 @@ def guarded_server(app, host: str, port: int, **config):
                 hook()
             await super().shutdown(sockets)
 
-    limit = max_connections()
+    limit = max_connections() if limit is None else limit
     # asyncio accepts up to `backlog` sockets in one go before any of them can close another: keep the batch small
     # so that the limit plus a few batches stays below the open-file limit
-    return Server(uvicorn.Config(app, host=host, port=port, http=guarded_protocol(limit=limit),
+    return Server(uvicorn.Config(app, host=host, port=port, http=guarded_protocol(limit=limit, body_timeout=body_timeout),
                                  backlog=max(8, limit // 8), **config))
 
 
-def guarded_protocol(header_timeout: float = HEADER_TIMEOUT_S, limit: int | None = None):
-    """uvicorn's h11 protocol with a deadline for the request headers and a bound on open connections: beyond
-    `limit`, a new connection closes the oldest one that has no request running (idle), or itself."""
+def guarded_protocol(header_timeout: float = HEADER_TIMEOUT_S, limit: int | None = None,
+                     body_timeout: float = BODY_TIMEOUT_S):
+    """uvicorn's h11 protocol with deadlines and a bound on open connections. The request headers must arrive within
+    `header_timeout` of the connection, a request's body within `body_timeout` of its headers (else the connection
+    is closed: the route sees a disconnect). Beyond `limit` connections a new one closes the oldest idle connection
+    (no request running), else the one receiving a body at the lowest rate (bytes per second since it opened),
+    else itself: a crowd of half-sent bodies cannot keep others out."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
     limit = max_connections() if limit is None else limit
 
     class GuardedH11Protocol(H11Protocol):
         def connection_made(self, transport):
             super().connection_made(transport)
-            self.opened = self.loop.time()
-            if len(self.connections) > limit:             # the oldest idle connection makes room, else this one
-                idle = [c for c in self.connections if c is not self and c._idle()]
-                (min(idle, key=lambda c: c.opened) if idle else self).transport.close()
+            self.opened, self.received, self.timed, self.body_deadline = self.loop.time(), 0, None, None
+            if len(self.connections) > limit:             # the oldest idle connection makes room, else the slowest body
+                others = [c for c in self.connections if c is not self and not c.transport.is_closing()]
+                idle = [c for c in others if c._idle()]
+                receiving = [c for c in others if c._receiving()]
+                victim = (min(idle, key=lambda c: c.opened) if idle else
+                          min(receiving, key=lambda c: c._rate()) if receiving else self)
+                victim.transport.close()
             self.header_deadline = self.loop.call_later(header_timeout, self._headers_overdue)
+
+        def data_received(self, data: bytes) -> None:
+            self.received += len(data)
+            super().data_received(data)
+            if self.cycle is not None and self.cycle is not self.timed:     # a new request: its body's deadline
+                self.timed = self.cycle
+                if self.body_deadline is not None:
+                    self.body_deadline.cancel()
+                self.body_deadline = self.loop.call_later(body_timeout, self._body_overdue, self.cycle)
 
         def _idle(self) -> bool:                       # no request running, and not already being closed
             return (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing()
+
+        def _receiving(self) -> bool:                  # a request whose body has not all arrived
+            return self.cycle is not None and self.cycle.more_body and not self.cycle.response_complete
+
+        def _rate(self) -> float:
+            return self.received / max(self.loop.time() - self.opened, 1e-3)
 
         def _headers_overdue(self):
             if self.cycle is None:                     # the first request's headers never arrived
                 self.transport.close()
 
+        def _body_overdue(self, cycle):
+            if self.cycle is cycle and cycle.more_body and not cycle.response_complete:
+                self.transport.close()
+
         def connection_lost(self, exc):
             self.header_deadline.cancel()
+            if self.body_deadline is not None:
+                self.body_deadline.cancel()
             super().connection_lost(exc)
 
     return GuardedH11Protocol
@@ -150,8 +197,9 @@ def guarded_protocol(header_timeout: float = HEADER_TIMEOUT_S, limit: int | None
 class BackgroundServer:
     """uvicorn serving `app` on a thread of this process (checks and benchmarks); port 0 = any free port."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
-        self.server = guarded_server(app, host, port, log_level="warning", access_log=False, timeout_graceful_shutdown=1)
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, **guards):
+        self.server = guarded_server(app, host, port, log_level="warning", access_log=False, timeout_graceful_shutdown=1,
+                                     **guards)
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20
@@ -178,7 +226,8 @@ def main(argv: list[str], say) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-pending", type=int, default=256, help="requests in flight before HTTP 503")
-    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--max-model-len", type=int, default=4096,
+                        help="the context served (capped at the model's max_position_embeddings)")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer API_KEY' on every /v1 request (401 otherwise)")
     parser.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
                         help="also serve requests whose Host header is NAME (repeatable; loopback names always)")
@@ -195,7 +244,7 @@ def main(argv: list[str], say) -> int:
         say(f"  {ex_id}  {path}")
     e05, e06 = select.load("e05_engine"), select.load("e06_serving")
     if args.model:
-        llm = e05.LLM(args.model, max_model_len=args.max_model_len, num_kvcache_blocks=1024)
+        llm = e05.LLM(args.model, max_model_len=model_max_len(args.model, args.max_model_len), num_kvcache_blocks=1024)
         name = args.model
     else:
         llm = dummy_llm(e05, max_model_len=min(args.max_model_len, 1024))
