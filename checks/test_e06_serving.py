@@ -267,13 +267,17 @@ def test_parse_request_fields():
         raise AssertionError("chat 模板抛异常（例如角色顺序不对）时 parse_request 应转成 RequestError（400，点名 messages）")
 
 
-def _card_deltas(tok, ids: list[int], stops: list[str], hold: int, first_listed: bool = False
-                 ) -> tuple[list[str], bool]:
-    """The card's TextStream.push rule, step by step, with the given hold (first_listed: a classic mistake)."""
-    deltas, sent = [], 0
+def _card_deltas(tok, ids: list[int], stops: list[str], hold: int, first_listed: bool = False,
+                 from_checked: bool = False) -> tuple[list[str], bool]:
+    """The card's TextStream.push rule, step by step, with the given hold (first_listed, from_checked: classic
+    mistakes; from_checked looks for each stop only from the end of the text already searched, so a stop that
+    straddles the old and the new text is missed)."""
+    deltas, sent, checked = [], 0, 0
     for i in range(len(ids)):
         text = tok.decode(ids[:i + 1], skip_special_tokens=True)
-        cuts = [j for j in (text.find(s) for s in stops) if j >= 0][:1 if first_listed else None]
+        cuts = [j for j in (text.find(s, checked if from_checked else 0) for s in stops) if j >= 0]
+        cuts = cuts[:1 if first_listed else None]
+        checked = len(text.rstrip("\ufffd"))
         stopped = bool(cuts)
         text = text[:min(cuts)] if cuts else text
         end = len(text) if stopped or i == len(ids) - 1 else len(text.rstrip("\ufffd")) - hold
@@ -282,6 +286,10 @@ def _card_deltas(tok, ids: list[int], stops: list[str], hold: int, first_listed:
         if stopped:
             return deltas, True
     return deltas, False
+
+
+SEARCH_START = ("stop 只从上一次查过的位置（checked）之后找：跨过新旧文本边界的 stop（开头几个字符在上一步的文本里）找不到；"
+                "stop s 若结束在新文本里，它最早从 checked − len(s) + 1 开始，要从那里找")
 
 
 @point("TextStream：随机文本与不同长度的 stop 字符串，每一步的增量都按卡片（扣住最长的 stop − 1 个字符，在最早出现的 stop 处截断）")
@@ -315,6 +323,8 @@ def test_text_stream_stops():
         joined = "".join(got)
         if "\ufffd" in joined:
             hint = "逐个 token 单独解码再拼接"
+        elif got == _card_deltas(tok, ids, stops, max(len(s) for s in stops) - 1, from_checked=True)[0]:
+            hint = SEARCH_START          # the stub gives hold: a missed straddling stop is the search's start
         elif got == _card_deltas(tok, ids, stops, 0)[0]:
             hint = "流式输出先漏出了 stop 字符串的前半截（没有留出 len(stop) - 1 个字符的缓冲）"
         elif got == _card_deltas(tok, ids, stops, min(len(s) for s in stops) - 1)[0]:
@@ -662,6 +672,10 @@ def _watched_server():
     return BackgroundServer(m.build_app(engine.start(), MODEL)).url, watched
 
 
+PARTS_BOUND = ("chat 的字符上限没有数 text 分段里的字符：content 可以是 [{\"type\": \"text\", \"text\": ...}] 的列表，"
+               "len(content) 数的是段数；上限要数 chat_message 连接之后的文本（每段的 text 合起来）")
+
+
 @point("大请求不卡住服务：超限的 body 得 413，超长的 prompt 不经 tokenizer 就得 400，tokenize 不在事件循环上")
 def test_large_requests():
     import httpx
@@ -675,16 +689,21 @@ def test_large_requests():
         _openai_error(a, f"{limit + 1000} 字节的 body（上限 MAX_BODY_BYTES = {limit}）", 413,
                       "没有限制 body 的大小：整个 body 读进内存、json.loads、再交给 tokenizer")
         n = bound + 1000
-        for endpoint, body, field in (("completions", {"prompt": "a" * n}, "prompt"),
-                                      ("chat/completions", {"messages": [{"role": "user", "content": "a" * n}]},
-                                       "messages")):
+        half = [{"type": "text", "text": "a" * (n // 2)}] * 2      # text parts: each half the bound, together over it
+        for endpoint, body, field, form in (
+                ("completions", {"prompt": "a" * n}, "prompt", "字符串"),
+                ("chat/completions", {"messages": [{"role": "user", "content": "a" * n}]}, "messages", "字符串 content"),
+                ("chat/completions", {"messages": [{"role": "user", "content": half}]}, "messages",
+                 "text 分段的 content（两段各一半）")):
             watched.longest = 0
             a = client.post(f"/v1/{endpoint}", json={"model": MODEL, **body})
-            error = _openai_error(a, f"{n} 个字符的 {field}", 400)
+            parts = form.startswith("text")
+            mistake = PARTS_BOUND if parts and a.status_code == 200 else None
+            error = _openai_error(a, f"{n} 个字符的 {field}（{form}）", 400, mistake)
             assert error.get("param") == field and error["code"] == "context_length_exceeded", a.text[:300]
-            assert watched.longest < n, (f"{n} 个字符的 {field} 被交给了 tokenizer（一个 token 最多 "
+            assert watched.longest < n, (f"{n} 个字符的 {field}（{form}）被交给了 tokenizer（一个 token 最多 "
                                          f"{bound // MAX_MODEL_LEN} 个字符，它不可能放进 {MAX_MODEL_LEN} 个 token）"
-                                         "\n  看起来像易错点：tokenize 之前没有按字符数挡住超长的 prompt")
+                                         f"\n  看起来像易错点：{PARTS_BOUND if parts else 'tokenize 之前没有按字符数挡住超长的 prompt'}")
         fits = "<|im_start|>" * 1000            # 12000 characters but 1000 tokens: characters are not tokens
         a = client.post("/v1/completions", json={"model": MODEL, "prompt": fits, "max_tokens": 2})
         assert a.status_code == 200, (f"12000 个字符、1000 个 token 的 prompt 放得进 {MAX_MODEL_LEN} 的上下文，"
@@ -1215,6 +1234,44 @@ async def _until(ready, seconds: float = 10) -> None:
         await asyncio.sleep(0.02)
 
 
+ADD_ONLY_VALUE = ("_apply_commands 只捕获了 add_request 的 ValueError：别的异常（引擎自己的 bug、内存不够……）从引擎线程里"
+                  "抛出去，线程退出，这个请求和之后的每个请求都等不到回应；要捕获 Exception，ValueError 之外的回 500，线程照常")
+ADD_ERROR_400 = ("add_request 的非 ValueError 异常被当成了 400：ValueError 是请求的错（400，点名字段），别的异常是服务器的错"
+                 "（500 internal_error，message 不带异常文本）")
+
+
+@point("引擎的某一步抛异常：在途的请求各自得到 500 或 SSE 错误事件 + [DONE]（不外泄异常文本），block 归还，服务照常")
+def test_add_request_failure():
+    import httpx
+    url = _live(max_pending=5, max_num_seqs=3)                # its own server: a dead engine thread stays here
+    llm = _server(max_pending=5, max_num_seqs=3)[1].llm
+
+    def add_request(*args, **kwargs):
+        raise RuntimeError(SECRET)                           # not a ValueError: the engine's fault, not the request's
+
+    _wait_idle(url, 5)
+    body = {"model": MODEL, "prompt": "ok", "max_tokens": 3, "ignore_eos": True}
+    with _Patched(llm, add_request=add_request):
+        for stream in (False, True):
+            what = f"add_request 抛 RuntimeError（不是 ValueError）时的{'流式' if stream else '非流式'}请求"
+            try:
+                a = httpx.post(url + "/v1/completions", json={**body, "stream": stream}, timeout=8)
+            except httpx.TimeoutException:
+                alive = _health(url)["status"] == "ok"
+                raise AssertionError(f"{what}：8 s 没有回应，引擎线程{'还活着' if alive else '已经退出'}"
+                                     + ("" if alive else f"\n  看起来像易错点：{ADD_ONLY_VALUE}")) from None
+            _openai_error(a, what, 500, ADD_ERROR_400 if a.status_code == 400 else None)
+            assert SECRET not in a.text, \
+                f"{what}：异常文本被发给了客户端：{a.text[:200]}\n  看起来像易错点：500 的 message 用了 str(exc)"
+    h = _wait_idle(url, 5, until_engine_idle=True)
+    assert h["status"] == "ok", f"add_request 抛异常之后引擎线程应照常运行：{h}\n  看起来像易错点：{ADD_ONLY_VALUE}"
+    assert h["pending"] == 0, (f"两个请求都被引擎拒绝了（500），在途计数却是 {h['pending']}\n  看起来像易错点："
+                               "add 收到 add_request 的异常之后没有 release（ValueError 之外的异常也一样）")
+    ok = httpx.post(url + "/v1/completions", json=body, timeout=30)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3, \
+        f"add_request 抛过异常之后的正常请求应照常完成，得到 {ok.status_code}: {ok.text[:200]}"
+
+
 @point("被引擎拒绝的请求（400）不占准入名额：连续 9 个之后服务照常收下请求")
 def test_refused_requests_free_their_slot():
     import httpx
@@ -1389,10 +1446,12 @@ def test_logprobs_match_hf():
         url, hf, _ = _hf_server(family)
         r, client = Rand(), _client(url)
         prompt = [r.int(0, 255) for _ in range(r.int(34, 60))]
-        for attempt, stream in ((0, False), (1, r.choice([False, True]))):   # the second one hits the prefix cache
+        first = r.choice([False, True])
+        for attempt, stream in ((0, first), (1, not first)):   # both modes on every run; the second hits the cache
             k = r.int(1, 5)
+            # ignore_eos: exactly max_tokens tokens, a count that comes from the request, not from the answer
             s = dict(max_tokens=r.int(3, 8), temperature=r.choice([0.5, 1.5]), seed=r.int(0, 10**6), logprobs=k,
-                     echo=True, extra_body={"return_token_ids": True, "top_k": 3})
+                     echo=True, extra_body={"return_token_ids": True, "top_k": 3, "ignore_eos": True})
             what = f"{family}：completions logprobs={k} echo（第 {attempt + 1} 次，stream={stream}）"
             out = client.completions.create(model=MODEL, prompt=prompt, stream=stream, **s)
             chunks = list(out) if stream else [out]
@@ -1403,7 +1462,11 @@ def test_logprobs_match_hf():
             tokens = [x for c in choices if c.logprobs for x in c.logprobs.tokens]
             ids = prompt + completion
             ref = torch.log_softmax(hf_models.hf_logits(hf, [torch.tensor(ids)]).double(), -1)    # [L, V]
-            assert len(lp) == len(ids) and lp[0] is None, (
+            n_new = s["max_tokens"]
+            assert len(completion) == n_new, (
+                f"{what}：ignore_eos 时正好生成 max_tokens = {n_new} 个 token，return_token_ids 应给出 {n_new} 个 id，"
+                f"得到 {len(completion)} 个" + ("\n  （流式时 token_ids 放在 finish_reason 那一帧里）" if stream else ""))
+            assert len(lp) == len(prompt) + n_new and lp[0] is None, (
                 f"{what}：echo 时 token_logprobs 应有 prompt + completion = {len(ids)} 项、第一项是 null，"
                 f"得到 {len(lp)} 项，第一项 {lp[:1]}")
             assert text.startswith(_oracle().tokenizer.decode(prompt)), f"{what}：echo 的文本应以 prompt 开头"
