@@ -309,30 +309,49 @@ def test_text_stream_stops():
              (both, ["Ω", both[o - 2:o + 1], long_stop]), (text, [long_stop, text[:head]]),   # a stop at position 0
              (text, [f"#{i}" * r.int(1, 9) for i in range(14)] + [long_stop, short])]   # 16 stops, as eval tools send
     for text, stops in cases:
-        ids = tok.encode(text)
-        stream = m.TextStream(tok, stops)
-        got = []
-        for i, t in enumerate(ids):
-            got.append(stream.push(t, finished=i == len(ids) - 1))
-            if stream.stopped:
-                break
-        want, stopped = _card_deltas(tok, ids, stops, max(len(s) for s in stops) - 1)
-        if got == want and stream.stopped == stopped:
-            continue
-        hint = ""
-        joined = "".join(got)
-        if "\ufffd" in joined:
-            hint = "逐个 token 单独解码再拼接"
-        elif got == _card_deltas(tok, ids, stops, max(len(s) for s in stops) - 1, from_checked=True)[0]:
-            hint = SEARCH_START          # the stub gives hold: a missed straddling stop is the search's start
-        elif got == _card_deltas(tok, ids, stops, 0)[0]:
-            hint = "流式输出先漏出了 stop 字符串的前半截（没有留出 len(stop) - 1 个字符的缓冲）"
-        elif got == _card_deltas(tok, ids, stops, min(len(s) for s in stops) - 1)[0]:
-            hint = "按最短的 stop 算了 hold：更长的 stop 还可能正在形成，要扣住 max(len(s)) − 1 个字符"
-        elif got == _card_deltas(tok, ids, stops, len(max(stops, key=len)) - 1, first_listed=True)[0]:
-            hint = "截在列表里第一个命中的 stop 处，而不是文本里最早出现的那个"
-        raise AssertionError(f"TextStream(stop={stops!r}) 逐 token 的增量：\n  得到 {got}\n  期望 {want}"
-                             f"（stopped={stopped}）" + (f"\n  看起来像易错点：{hint}" if hint else "") + f"\n  {r}")
+        _check_stream(m, tok, tok.encode(text), stops, r)
+    # a vocabulary of tokens of several characters (as a BPE's): a stop inside the very first token is found there,
+    # where checked - len(s) + 1 is still negative
+    pieces = ["".join(r.choice(list("abcdefgh")) for _ in range(r.int(4, 6))) for _ in range(r.int(6, 10))]
+    words = _PieceTokenizer(pieces)
+    _check_stream(m, words, list(range(len(pieces))), [pieces[0][1:3], pieces[3] + "#"], r)
+
+
+class _PieceTokenizer:
+    """A tokenizer whose token i is the string pieces[i] (several characters each)."""
+
+    def __init__(self, pieces: list[str]):
+        self.pieces = pieces
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(self.pieces[i] for i in ids)
+
+
+def _check_stream(m, tok, ids: list[int], stops: list[str], r: Rand) -> None:
+    """TextStream(tok, stops) fed ids one by one gives the card's deltas (the mistake it resembles named)."""
+    stream = m.TextStream(tok, stops)
+    got = []
+    for i, t in enumerate(ids):
+        got.append(stream.push(t, finished=i == len(ids) - 1))
+        if stream.stopped:
+            break
+    want, stopped = _card_deltas(tok, ids, stops, max(len(s) for s in stops) - 1)
+    if got == want and stream.stopped == stopped:
+        return
+    hint = ""
+    joined = "".join(got)
+    if "\ufffd" in joined:
+        hint = "逐个 token 单独解码再拼接"
+    elif got == _card_deltas(tok, ids, stops, max(len(s) for s in stops) - 1, from_checked=True)[0]:
+        hint = SEARCH_START          # the stub gives hold: a missed straddling stop is the search's start
+    elif got == _card_deltas(tok, ids, stops, 0)[0]:
+        hint = "流式输出先漏出了 stop 字符串的前半截（没有留出 len(stop) - 1 个字符的缓冲）"
+    elif got == _card_deltas(tok, ids, stops, min(len(s) for s in stops) - 1)[0]:
+        hint = "按最短的 stop 算了 hold：更长的 stop 还可能正在形成，要扣住 max(len(s)) − 1 个字符"
+    elif got == _card_deltas(tok, ids, stops, len(max(stops, key=len)) - 1, first_listed=True)[0]:
+        hint = "截在列表里第一个命中的 stop 处，而不是文本里最早出现的那个"
+    raise AssertionError(f"TextStream(stop={stops!r}) 逐 token 的增量：\n  得到 {got}\n  期望 {want}"
+                         f"（stopped={stopped}）" + (f"\n  看起来像易错点：{hint}" if hint else "") + f"\n  {r}")
 
 
 class _CountingTokenizer:
