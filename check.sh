@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The learner's entry point. First call: creates .venv and installs the pinned dependencies from
-# pyproject.toml (CPU torch on machines without an NVIDIA GPU). Then: python -m course "$@".
+# The learner's entry point. First call: creates .venv and installs the lock, requirements/ (CPU torch on
+# machines without an NVIDIA GPU), with uv. Then: python -m course "$@".
 #
 # Which Python runs the course:
 #   COURSE_PYTHON=/path/to/python   use exactly this interpreter (nothing is installed)
-#   .venv/                          used once it has been set up by this script
+#   .venv/                          used once it has been set up by this script (re-installed when the lock changes)
 #   the current python3             used when it already has everything (e.g. a GPU box without network)
 #   COURSE_USE_VENV=1               skip that last detection and always set up .venv
 set -euo pipefail
@@ -16,7 +16,9 @@ assert (3, 10) <= sys.version_info[:2] <= (3, 12), "Python 3.10-3.12 required"
 import torch, transformers, numpy, triton, rich, pytest, pytest_timeout, safetensors, hypothesis
 assert transformers.__version__ == "5.17.0", transformers.__version__'
 
-stamp() { sha256sum pyproject.toml | cut -c1-16; }
+# The lock (requirements/, course/lock.py): torch-cpu.txt or torch-cuda.txt, then cpu.txt with every hash.
+torch_lock() { if command -v nvidia-smi >/dev/null 2>&1; then echo requirements/torch-cuda.txt; else echo requirements/torch-cpu.txt; fi; }
+stamp() { cat "$(torch_lock)" requirements/cpu.txt | sha256sum | cut -c1-16; }
 
 pick_base_python() {
     for py in python3 python3.12 python3.11 python3.10; do
@@ -31,32 +33,34 @@ pick_base_python() {
 
 bootstrap_venv() {
     local base; base=$(pick_base_python)
-    echo "首次运行：创建 .venv 并安装依赖（几分钟，只做一次）……" >&2
+    echo "首次运行：创建 .venv 并按锁文件 requirements/ 安装依赖（只做一次）……" >&2
     rm -rf .venv
-    "$base" -m venv .venv
-    local pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
-    if ! command -v nvidia-smi >/dev/null 2>&1; then
-        # No NVIDIA GPU: take torch's CPU build (about 200 MB) instead of the multi-GB CUDA build that
-        # PyPI serves on Linux. 2.13 is the newest CPU release this course is tested with. The CPU index
-        # is only added when it answers (offline mirrors and closed networks skip it at once).
-        local index=${COURSE_TORCH_INDEX:-https://download.pytorch.org/whl/cpu} extra=()
-        if .venv/bin/python -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' \
-                "$index/torch/" >/dev/null 2>&1; then
-            extra=(--extra-index-url "$index")
-        fi
-        "${pip[@]}" "torch>=2.5,<2.14" ${extra[@]+"${extra[@]}"}
+    "$base" -m venv --without-pip .venv
+    local py=.venv/bin/python torch; torch=$(torch_lock)
+    # torch's CPU build comes from the PyTorch CPU index, added only when it answers (offline mirrors and closed
+    # networks skip it at once), or from pip's local wheel folders (PIP_FIND_LINKS) where a machine has them.
+    local index=${COURSE_TORCH_INDEX:-https://download.pytorch.org/whl/cpu} src=()
+    if [ "$torch" = requirements/torch-cpu.txt ] &&
+       "$py" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' "$index/torch/" >/dev/null 2>&1; then
+        src+=(--extra-index-url "$index")
     fi
-    local deps
-    deps=$(.venv/bin/python - <<'PY'
-import re
-text = open("pyproject.toml", encoding="utf-8").read()
-block = re.search(r"^dependencies\s*=\s*\[(.*?)^\]", text, re.S | re.M).group(1)
-print("\n".join(re.findall(r'"([^"]+)"', block)))
-PY
-)
-    mapfile -t deps_array <<<"$deps"
-    "${pip[@]}" "${deps_array[@]}"
-    .venv/bin/python -c "$READY"
+    for dir in ${PIP_FIND_LINKS:-}; do src+=(--find-links "$dir"); done
+    # The installer: uv (hash-locked in requirements/uv.txt) in .venv/uv/, put there by python3's own pip.
+    # torch goes by its exact version (no hash: see requirements/torch-cpu.txt), the rest hash-checked; the
+    # CUDA build (torch-cuda.txt) also brings the nvidia-* libraries it depends on.
+    local deps=(--no-deps); [ "$torch" = requirements/torch-cuda.txt ] && deps=()
+    if "$base" -m pip install --quiet --disable-pip-version-check --require-hashes --no-deps --target .venv/uv \
+            -r requirements/uv.txt >/dev/null 2>&1; then
+        .venv/uv/bin/uv pip install --quiet --python "$py" --index-strategy unsafe-best-match \
+            ${src[@]+"${src[@]}"} ${deps[@]+"${deps[@]}"} -r "$torch" -r requirements/cpu.txt
+    else
+        echo "check.sh：装不上 uv，改用 pip 安装同一个锁文件（慢一些）" >&2
+        "$py" -m ensurepip --default-pip >/dev/null
+        local pip=("$py" -m pip install --quiet --disable-pip-version-check)
+        "${pip[@]}" ${src[@]+"${src[@]}"} ${deps[@]+"${deps[@]}"} -r "$torch"
+        "${pip[@]}" --no-deps --require-hashes -r requirements/cpu.txt
+    fi
+    "$py" -c "$READY"
     stamp > .venv/.course-stamp
 }
 

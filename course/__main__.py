@@ -8,6 +8,8 @@ def _terminate(signum, frame):
 
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, _terminate)
+    from .grader.lock import warn_if_drifted
+    warn_if_drifted()                   # one line when this interpreter's versions are not the lock's
     try:
         from .cli import main
         code = main()

@@ -13,6 +13,7 @@
     ./check.sh bench --help         the benchmarks: every workload, subcommand and option (course/bench/cli.py)
     ./check.sh selftest             the project's own test suite
     ./check.sh mutants [e07 ...]    mutation testing of the checks (developers; CONTRIBUTING.md)
+    ./check.sh lock [--upgrade]     regenerate the lock, requirements/ (maintainers; grader/lock.py)
     ./check.sh book [--open] [--serve [--no-build] [--port N]]   build (and serve) the book: build/book/site/, build/book/book.pdf
 """
 
@@ -274,6 +275,10 @@ def reset(exercise_id: str) -> int:
 
 
 def selftest(args: list[str]) -> int:
+    from .grader import lock
+    # pyproject's test-only dependency group, when it has one (installed into .venv on first use)
+    if not lock.ensure("group-test") and lock.in_course_venv():
+        return 1
     cmd = [sys.executable, "-m", "pytest", "tests", "-p", "no:cacheprovider", *args]
     return subprocess.call(cmd, cwd=ROOT, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
 
@@ -384,6 +389,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if command == "selftest":
         return selftest(argv[1:])
+    if command == "lock":
+        from .grader import lock
+        return lock.main(argv[1:])
     if command == "mutants":
         from .grader import mutants
         return mutants.main(argv[1:])

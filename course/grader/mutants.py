@@ -1,6 +1,6 @@
 """`./check.sh mutants e07`: mutation testing of an exercise's checks (for course developers).
 
-The mutants are cosmic-ray's (pinned in pyproject.toml's `dev` extra): its `init` enumerates every mutation
+The mutants are cosmic-ray's (the `dev` extra, locked in requirements/dev.txt): its `init` enumerates every mutation
 of the reference `solutions/<module>.py` and `cosmic_ray.mutating.mutate_code` writes one. Only the code a
 learner writes is a target: the functions and methods whose body in `mine/<module>.py` raises
 NotImplementedError (given code is not). Each mutant is graded exactly as a learner's file would be
@@ -258,30 +258,16 @@ def run_exercise(ex: registry.Exercise, jobs: int, limit: int | None, verbose: b
     return row
 
 
-def dev_requirements() -> list[str]:
-    """pyproject.toml's `dev` extra."""
-    import re
-    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
-    block = re.search(r"^dev\s*=\s*\[(.*?)^\]", text, re.S | re.M).group(1)
-    return re.findall(r'"([^"]+)"', block)
-
-
 def ensure_tool() -> bool:
-    """cosmic-ray importable: installed from the dev extra into the course's .venv on first use."""
+    """cosmic-ray importable: the dev extra's lock, requirements/dev.txt, installed into the course's .venv on
+    first use (course/grader/lock.py)."""
     try:
         import cosmic_ray  # noqa: F401
         return True
     except ModuleNotFoundError:
         pass
-    import subprocess
-    reqs = dev_requirements()
-    if Path(sys.prefix).resolve() != (ROOT / ".venv").resolve():
-        print(f"cosmic-ray is missing from {sys.executable}; install the dev extra: "
-              f"{sys.executable} -m pip install {' '.join(repr(r) for r in reqs)}", file=sys.stderr)
-        return False
-    print(f"installing the dev extra into .venv: {' '.join(reqs)}", flush=True)
-    return subprocess.call([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                            *reqs]) == 0
+    from . import lock
+    return lock.ensure("dev")
 
 
 def main(argv: list[str]) -> int:
