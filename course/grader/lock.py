@@ -120,7 +120,7 @@ def drift_line(found: list[tuple[str, str, str]]) -> str:
     shown = "，".join(f"{n} {have}（锁定 {want}）" for n, have, want in found[:4])
     more = f" 等 {len(found)} 个包" if len(found) > 4 else ""
     return (f"check.sh：这个 Python（{sys.executable}）的依赖版本与锁文件 requirements/ 不同：{shown}{more}；"
-            "结果可能与课程测试时不一致（不带 COURSE_PYTHON 运行 ./check.sh 会用锁定的 .venv）")
+            "结果可能与课程测试时不一致（不设 COURSE_PYTHON、设 COURSE_USE_VENV=1 运行 ./check.sh 会按锁文件建 .venv）")
 
 
 def warn_if_drifted() -> None:
