@@ -1016,8 +1016,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     async def tokenizer_route(request: Request, work):
         try:
             check_client(request, body=True)
-            raw = await _read_body(request, max_body_bytes)
-            return JSONResponse(await asyncio.get_running_loop().run_in_executor(parser, work, raw))
+            body = await _read_body(request, max_body_bytes)
+            return JSONResponse(await asyncio.get_running_loop().run_in_executor(parser, work, body))
         except RequestError as exc:
             return error_response(exc)
 
@@ -1130,7 +1130,7 @@ def _fields(body: object, fields: dict, model_name: str) -> dict:
         kind = fields.get(name)
         if kind is None:
             raise RequestError(f"unknown field {name!r}", name, code="unknown_parameter")
-        ok = isinstance(value, bool) if kind is BOOL else isinstance(value, kind) and not isinstance(value, bool)
+        ok = type(value) is bool if kind is BOOL else isinstance(value, kind) and type(value) is not bool
         if value is not None and not ok:
             raise RequestError(f"{name} has the wrong type ({type(value).__name__})", name, code="invalid_type")
     if body.get("model") not in (None, model_name):
