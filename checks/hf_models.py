@@ -207,10 +207,12 @@ def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int])
     return w
 
 
-def fp8_tensors(state: dict[str, torch.Tensor], block: tuple[int, int]
+def fp8_tensors(state: dict[str, torch.Tensor], block: tuple[int, int], scale_dtype: torch.dtype = torch.float32
                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """An on-disk state dict -> (the FP8 checkpoint's tensors, the same weights dequantized). Fused expert tensors
     (`experts.gate_up_proj` [E, 2I, H], hub layout) are quantized expert by expert: scale_inv [E, grid rows, cols].
+    scale_dtype: the dtype the scales are stored in (Qwen's FP8 checkpoints ship fp32, bf16 or f16 scales); the
+    dequantized weights use the stored (rounded) scales.
 
     As Qwen's FP8 checkpoints: every linear `X.weight` of attention, MLP, experts, shared expert and Gated
     DeltaNet becomes float8 + `X.weight_scale_inv`; embeddings, norms, router (mlp.gate), shared_expert_gate,
@@ -218,12 +220,13 @@ def fp8_tensors(state: dict[str, torch.Tensor], block: tuple[int, int]
     tensors, dequantized = {}, {}
     for key, t in state.items():
         if re.fullmatch(r".*\.experts\.(gate_up|down)_proj", key):     # fused experts (hub layout): expert by expert
-            pairs = [fp8_quantize(w, block) for w in t]
+            pairs = [(q, scale.to(scale_dtype)) for q, scale in (fp8_quantize(w, block) for w in t)]
             tensors[key] = torch.stack([q for q, _ in pairs])
             tensors[key + "_scale_inv"] = torch.stack([scale for _, scale in pairs])
             dequantized[key] = torch.stack([fp8_dequantize(q, scale, block) for q, scale in pairs])
         elif key.endswith(".weight") and t.dim() == 2 and not any(s in key for s in FP8_SKIPPED):
             q, scale = fp8_quantize(t, block)
+            scale = scale.to(scale_dtype)
             tensors[key], tensors[key + "_scale_inv"] = q, scale
             dequantized[key] = fp8_dequantize(q, scale, block)
         else:
@@ -236,10 +239,11 @@ def fp8_quantization_config(block: tuple[int, int]) -> dict:
     return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
 
 
-def fp8_checkpoint(model, folder: Path, block: tuple[int, int]) -> tuple[Path, dict[str, torch.Tensor]]:
-    """A block-FP8 checkpoint of an HF model (per-expert keys, sharded, weight and scale possibly in two files):
-    (folder, the dequantized per-expert state dict)."""
-    tensors, dequantized = fp8_tensors(per_expert_state_dict(model.state_dict()), block)
+def fp8_checkpoint(model, folder: Path, block: tuple[int, int], scale_dtype: torch.dtype = torch.float32
+                   ) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A block-FP8 checkpoint of an HF model (per-expert keys, sharded, weight and scale possibly in two files),
+    scales stored in scale_dtype: (folder, the dequantized per-expert state dict)."""
+    tensors, dequantized = fp8_tensors(per_expert_state_dict(model.state_dict()), block, scale_dtype)
     config = type(model.config).from_dict(model.config.to_dict())
     config.quantization_config = fp8_quantization_config(block)
     write_checkpoint(folder, config, tensors)

@@ -73,6 +73,22 @@ def impl(module: str) -> types.ModuleType:
     return select.load(module)
 
 
+# Contract coverage (checks/contracts/<id>.toml, tests/test_contracts.py): a check calls record_case("label") when it
+# draws a named case of the card's contract; with COURSE_CASES set, one line "<check function>\t<label>" is appended
+# to that file (nothing otherwise, so learners never see it). The contract table maps each clause to (check, case).
+CASES_ENV = "COURSE_CASES"
+
+
+def record_case(label: str) -> None:
+    path = os.environ.get(CASES_ENV)
+    if not path:
+        return
+    current = os.environ.get("PYTEST_CURRENT_TEST", "")              # "checks/test_x.py::test_name (call)"
+    check = current.split("::")[-1].split(" ")[0].split("[")[0]
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(f"{check}\t{label}\n")
+
+
 def new_seed() -> int:
     env = os.environ.get("COURSE_SEED")
     return int(env) if env else random.SystemRandom().randrange(2**31)

@@ -12,13 +12,15 @@ real-shape bf16 checks run too (without CUDA they are reported as skipped).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from checks import oracles
-from checks.kit import DEVICE, GuardedAlloc, Rand, assert_close, assert_dtype, assert_equal, explain_crash, impl, point
+from checks.kit import (DEVICE, GuardedAlloc, Rand, assert_close, assert_dtype, assert_equal, explain_crash, impl, point,
+                        record_case)
 
 MODULE = "k05_fp8"
 # FP8 x FP8 dots: exact products, fp32 accumulation in the interpreter (1e-5 of |a|.|b|); on Hopper the FP8 tensor
@@ -43,17 +45,18 @@ def _dequant(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return impl("m06_models").dequantize_block_fp8(q.cpu(), s.cpu())
 
 
-def _act_quant(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch oracle of quantize_act_fp8: per (row, 128 columns) scale = amax / 448 (1 for an all-zero group) and
-    the round-to-nearest-even cast of x / scale; with `scale` given, only the cast."""
+def _act_quant(x: torch.Tensor, scale: torch.Tensor | None = None, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch oracle of quantize_act_fp8: per (row, `group` columns) scale = amax / 448 in fp32 (1 for an all-zero
+    group) and the round-to-nearest-even cast of x / scale, from x alone (any float dtype: read as fp32); with
+    `scale` given, only the cast."""
     rows, k = x.shape
-    groups = -(-k // 128)
-    padded = F.pad(x.float().cpu(), (0, groups * 128 - k)).view(rows, groups, 128)
+    groups = -(-k // group)
+    padded = F.pad(x.float().cpu(), (0, groups * group - k)).view(rows, groups, group)
     if scale is None:
         amax = padded.abs().amax(-1)
         scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
     q = (padded / scale.cpu()[..., None]).clamp(-448.0, 448.0).to(FP8)
-    return q.view(rows, groups * 128)[:, :k].contiguous(), scale.cpu()
+    return q.view(rows, groups * group)[:, :k].contiguous(), scale.cpu()
 
 
 def _act_dequant(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -163,29 +166,57 @@ def test_card_example():
     got = q.cpu().float()[0]
     assert_equal(got, want, what="卡片例子的 x_fp8（x / scale 按最近偶数舍入到 e4m3）",
                  looks_like=_rounding_hint(got, x.cpu()[0] * 64))
+    record_case("card:group")
 
 
-@point("quantize_block_fp8：每个 128×128 block 一个 scale = amax / 448，N、K 不是 128 的倍数，全零 block，堆叠的 expert")
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+M_SCALE_DTYPE = ("scale 跟着输入的 dtype（bf16 / fp16）算了：引擎喂给量化函数的是 bf16，卡片约定 scale 一律是 fp32——"
+                 "先把输入转成 fp32（.float()）再求 amax、除以 448、做除法")
+M_BLOCK_ARG = "block 参数没有用上（写死了 128×128）：块大小是 block=(bn, bk)，bn 管行（N）、bk 管列（K）"
+M_BLOCK_SWAPPED = "block 的两个数用反了：block=(bn, bk) 里 bn 是行（N）方向的块大小、bk 是列（K）方向的"
+# quantize_block_fp8's contract cases, each drawn on every run on its own: (label, input dtype, stacked experts, block)
+BLOCK_CASES = (("fp32", torch.float32, False, None), ("bf16-stacked", torch.bfloat16, True, None),
+               ("fp16", torch.float16, False, None), ("nondefault-block", torch.float32, False, "draw"))
+
+
+@point("quantize_block_fp8：每个 128×128 block 一个 scale = amax / 448，N、K 不是 128 的倍数，全零 block，堆叠的 expert，"
+       "bf16 / fp16 输入（scale 仍是 fp32），非默认的 block 参数")
 def test_quantize_block():
     m = impl(MODULE)
     r = Rand()
-    for shape in ((128 + r.int(1, 60), 256 + r.int(1, 100)), (r.int(2, 3), r.int(20, 140), r.int(130, 200))):
+    for label, dtype, stacked, block in BLOCK_CASES:
+        bn, bk = (128, 128) if block is None else r.choice([(64, 32), (32, 64), (16, 128), (128, 64)])
+        shape = (bn + r.int(1, bn // 2), 2 * bk + r.int(1, bk - 1))                # partial last block row and column
+        if stacked:
+            shape = (r.int(2, 3), r.int(20, 140), r.int(130, 200))
         w = r.randn(*shape) * _spread(r, *shape[:-2], 1, shape[-1])          # columns of very different sizes
-        w.view(-1, *shape[-2:])[0, :128, :128] = 0                           # an all-zero block
-        w.view(-1, *shape[-2:])[0, :128, 128:256] *= 1e-4 / w.view(-1, *shape[-2:])[0, :128, 128:256].abs().max()
+        first = w.view(-1, *shape[-2:])[0]
+        first[:bn, :bk] = 0                                                  # an all-zero block
+        first[:bn, bk:2 * bk] *= 1e-4 / first[:bn, bk:2 * bk].abs().max()
+        w = w.to(dtype)                                                      # what the engine feeds: bf16 weights
+        wf = w.float()                                                       # the same numbers, exactly
+        args = () if block is None else ((bn, bk),)
         with explain_crash(CRASHES):
-            q, s = m.quantize_block_fp8(w.to(DEVICE))
-        where = f"（w 的形状 {list(shape)}）"
-        nb, kb = -(-shape[-2] // 128), -(-shape[-1] // 128)
+            q, s = m.quantize_block_fp8(w.to(DEVICE), *args)
+        where = f"（w 的形状 {list(shape)}，{DTYPE_NAMES[dtype]}，block ({bn}, {bk})）"
+        nb, kb = -(-shape[-2] // bn), -(-shape[-1] // bk)
         if q.dtype != FP8 or tuple(q.shape) != shape:
             raise AssertionError(f"w_fp8 应为 float8_e4m3fn {list(shape)}，得到 {q.dtype} {list(q.shape)}{where}；{r}")
         if tuple(s.shape) != (*shape[:-2], nb, kb):
-            raise AssertionError(f"scale_inv 的形状应为 {[*shape[:-2], nb, kb]}（每个 128×128 block 一个，"
-                                 f"N、K 向上取整），得到 {list(s.shape)}{where}；{r}\n"
-                                 "  看起来像易错点：scale 不是按 128×128 block 取的（按整个张量或按行）")
-        s = s.cpu().float()
-        pad = F.pad(w.abs(), (0, kb * 128 - shape[-1], 0, nb * 128 - shape[-2]))
-        amax = pad.reshape(*shape[:-2], nb, 128, kb, 128).amax(dim=(-3, -1))
+            looks = "scale 不是按 block 取的（按整个张量或按行）"
+            if tuple(s.shape) == (*shape[:-2], -(-shape[-2] // 128), -(-shape[-1] // 128)):
+                looks = M_BLOCK_ARG
+            elif tuple(s.shape) == (*shape[:-2], -(-shape[-2] // bk), -(-shape[-1] // bn)):
+                looks = M_BLOCK_SWAPPED
+            raise AssertionError(f"scale_inv 的形状应为 {[*shape[:-2], nb, kb]}（每个 {bn}×{bk} block 一个，"
+                                 f"N、K 向上取整），得到 {list(s.shape)}{where}；{r}\n  看起来像易错点：{looks}")
+        if s.dtype != torch.float32:
+            hint = f"\n  看起来像易错点：{M_SCALE_DTYPE}" if s.dtype == dtype else ""
+            raise AssertionError(f"scale_inv 应为 float32（卡片约定 scale 是 fp32），输入是 {DTYPE_NAMES[dtype]} 时得到 "
+                                 f"{s.dtype}{where}；{r}{hint}")
+        s = s.cpu()
+        pad = F.pad(wf.abs(), (0, kb * bk - shape[-1], 0, nb * bn - shape[-2]))
+        amax = pad.reshape(*shape[:-2], nb, bn, kb, bk).amax(dim=(-3, -1))
         zero = amax == 0
         if not bool((s[zero] > 0).all() and torch.isfinite(s).all()):
             raise AssertionError(f"全零 block 的 scale 应为正数（卡片约定为 1），得到 {s[zero].tolist()}{where}；{r}\n"
@@ -193,56 +224,79 @@ def test_quantize_block():
         want = amax / 448.0
         if not torch.allclose(s[~zero], want[~zero], rtol=1e-6, atol=0):
             looks = "  看起来像易错点：scale 取了 amax，少了除以 448" if torch.allclose(s[~zero], amax[~zero]) else ""
+            if dtype != torch.float32 and torch.equal(s[~zero], (amax.to(dtype) / 448.0).float()[~zero]):
+                looks = f"  看起来像易错点：{M_SCALE_DTYPE}"
             raise AssertionError(f"非零 block 的 scale 应为 amax / 448（block 的最大值映射到 ±448）{where}；{r}\n{looks}")
-        deq = _dequant(q, s)
-        err = (deq - w).abs()
-        half_ulp = w.abs() / 16 + s.repeat_interleave(128, -2)[..., :shape[-2], :].repeat_interleave(128, -1)[
-            ..., :shape[-1]] * 2.0 ** -10                                   # e4m3: half a spacing, subnormals 2^-10
+        ref_s = torch.where(zero, torch.ones_like(want), want)               # the oracle's scales, from w alone
+        per_elem = ref_s.repeat_interleave(bn, -2)[..., :shape[-2], :].repeat_interleave(bk, -1)[..., :shape[-1]]
+        err = (q.cpu().float() * per_elem - wf).abs()
+        half_ulp = wf.abs() / 16 + per_elem * 2.0 ** -10                    # e4m3: half a spacing, subnormals 2^-10
         if not bool((err <= half_ulp * (1 + 1e-6)).all()):
-            raise AssertionError(f"dequantize(w_fp8, scale_inv) 与 w 相差超过 e4m3 的半个间距{where}；{r}")
+            hint = f"\n  看起来像易错点：{M_SCALE_DTYPE}" if dtype != torch.float32 else ""
+            raise AssertionError(f"w_fp8 · scale（scale = amax / 448）与 w 相差超过 e4m3 的半个间距{where}；{r}{hint}")
+        record_case(f"block:{label}")
+    record_case("block:partial-zero-block")
 
 
-@point("quantize_act_fp8：每个 token、每 128 列一个 scale，按最近偶数舍入；K 不是 128 的倍数、全零 group、strided x")
+M_ACT_GROUP_ARG = "group 参数没有用上（写死了 128）：每个 token 每 group 列一个 scale，x_scale 是 [T, ⌈K/group⌉]"
+# quantize_act_fp8's contract cases, each drawn on every run on its own: (label, x dtype, group)
+ACT_CASES = (("fp32", torch.float32, 128), ("bf16", torch.bfloat16, 128), ("fp16", torch.float16, 128),
+             ("nondefault-group", torch.float32, "draw"))
+
+
+@point("quantize_act_fp8：每个 token、每 128 列一个 scale，按最近偶数舍入；K 不是 128 的倍数、全零 group、strided x，"
+       "bf16 / fp16 输入（scale 仍是 fp32），非默认的 group 参数")
 def test_quantize_act():
     m = impl(MODULE)
     r = Rand()
-    rows, k = r.int(3, 9), 128 * r.int(1, 2) + r.choice([5, 37, 90])
-    base = r.randn(rows + 1, k + 16) * _spread(r, rows + 1, 1)              # rows of very different sizes
-    base[1, 128:256] = 0                                                    # an all-zero group
-    base[:, k:] = 1e6                                                       # past the row's end: a read shows in amax
-    x = base[:rows, :k]                                                     # a strided view: stride(0) = k + 16
-    with explain_crash(CRASHES):
-        q, s = m.quantize_act_fp8(x.to(DEVICE))
-    ref_q, ref_s = _act_quant(x)
-    where = f"（x 形状 [{rows}, {k}]，stride {list(x.stride())}）"
-    if q.dtype != FP8 or s.dtype != torch.float32:
-        raise AssertionError(f"x_fp8 应为 float8_e4m3fn、x_scale 应为 float32，得到 {q.dtype}、{s.dtype}；{r}")
-    if tuple(s.shape) != tuple(ref_s.shape) or tuple(q.shape) != (rows, k):
-        raise AssertionError(f"x_fp8 / x_scale 的形状应为 {[rows, k]} / {list(ref_s.shape)}（[T, ⌈K/128⌉]），"
-                             f"得到 {list(q.shape)} / {list(s.shape)}；{r}")
-    s = s.cpu()
-    zero = ref_s == 1.0
-    if not bool((s[zero] > 0).all()):
-        raise AssertionError(f"全零 group 的 scale 应为正数（卡片约定为 1），得到 {s[zero].tolist()}{where}；{r}\n"
-                             "  看起来像易错点：全零 block / group 的 scale 为 0：x / 0 得到 NaN")
-    flat = base.flatten()
-    unmasked = torch.stack([torch.stack([flat[t * (k + 16) + g * 128:][:128].abs().max() for g in range(s.shape[1])])
-                            for t in range(rows)])                           # the last group read past K
-    unmasked = torch.where(unmasked > 0, unmasked / 448.0, torch.ones_like(unmasked))
-    by_shape = _act_quant(flat[:rows * k].view(rows, k))[1]                 # rows read at stride K
-    looks = [(torch.where(zero, ref_s, ref_s * 448.0), "scale 取了 amax，少了除以 448"),
-             (unmasked, "最后一个 group 的 load 没有 mask（offs < K）：读进了这一行之后的数"),
-             (by_shape, "x 的行 stride 按形状推了（x 可能是 strided view，stride 从 x.stride() 取）")]
-    if not torch.allclose(s, ref_s, rtol=1e-6, atol=0):
-        msg = f"x_scale 应为每组 amax / 448{where}；{r}"
-        for wrong, mistake in looks:
-            if torch.allclose(s, wrong, rtol=1e-6, atol=0):
-                msg += f"\n  看起来像易错点：{mistake}"
-                break
-        raise AssertionError(msg)
-    got = q.cpu().float()
-    assert_equal(got, _act_quant(x, s)[0].float(), what=f"x_fp8 = round_e4m3(x / scale)（最近偶数）{where}", rand=r,
-                 looks_like=_rounding_hint(got, x / s.repeat_interleave(128, -1)[:, :k]))
+    for label, dtype, group in ACT_CASES:
+        group = group if group != "draw" else r.choice([32, 64])
+        rows, k = r.int(3, 9), 128 * r.int(1, 2) + r.choice([5, 37, 90])
+        base = r.randn(rows + 1, k + 16) * _spread(r, rows + 1, 1)          # rows of very different sizes
+        base[1, 128:256] = 0                                                # an all-zero group
+        base[:, k:] = 3e4                                                   # past the row's end: a read shows in amax
+        base = base.to(dtype)                                               # what the engine feeds: bf16 activations
+        x = base[:rows, :k]                                                 # a strided view: stride(0) = k + 16
+        args = () if group == 128 else (group,)
+        with explain_crash(CRASHES):
+            q, s = m.quantize_act_fp8(x.to(DEVICE), *args)
+        ref_q, ref_s = _act_quant(x, group=group)                           # from x alone
+        where = f"（x 形状 [{rows}, {k}]，{DTYPE_NAMES[dtype]}，stride {list(x.stride())}，group {group}）"
+        if q.dtype != FP8 or s.dtype != torch.float32:
+            hint = f"\n  看起来像易错点：{M_SCALE_DTYPE}" if s.dtype == dtype != torch.float32 else ""
+            raise AssertionError(f"x_fp8 应为 float8_e4m3fn、x_scale 应为 float32（卡片约定 scale 是 fp32），得到 {q.dtype}、"
+                                 f"{s.dtype}{where}；{r}{hint}")
+        if tuple(s.shape) != tuple(ref_s.shape) or tuple(q.shape) != (rows, k):
+            hint = (f"\n  看起来像易错点：{M_ACT_GROUP_ARG}" if group != 128 and tuple(s.shape) == (rows, -(-k // 128))
+                    else "")
+            raise AssertionError(f"x_fp8 / x_scale 的形状应为 {[rows, k]} / {list(ref_s.shape)}（[T, ⌈K/group⌉]），"
+                                 f"得到 {list(q.shape)} / {list(s.shape)}{where}；{r}{hint}")
+        s = s.cpu()
+        zero = ref_s == 1.0
+        if not bool((s[zero] > 0).all()):
+            raise AssertionError(f"全零 group 的 scale 应为正数（卡片约定为 1），得到 {s[zero].tolist()}{where}；{r}\n"
+                                 "  看起来像易错点：全零 block / group 的 scale 为 0：x / 0 得到 NaN")
+        flat = base.float().flatten()
+        unmasked = torch.stack([torch.stack([flat[t * (k + 16) + g * group:][:group].abs().max()
+                                             for g in range(s.shape[1])]) for t in range(rows)])   # read past K
+        unmasked = torch.where(unmasked > 0, unmasked / 448.0, torch.ones_like(unmasked))
+        by_shape = _act_quant(flat[:rows * k].view(rows, k), group=group)[1]   # rows read at stride K
+        looks = [(torch.where(zero, ref_s, ref_s * 448.0), "scale 取了 amax，少了除以 448"),
+                 (unmasked, "最后一个 group 的 load 没有 mask（offs < K）：读进了这一行之后的数"),
+                 (by_shape, "x 的行 stride 按形状推了（x 可能是 strided view，stride 从 x.stride() 取）")]
+        if not torch.allclose(s, ref_s, rtol=1e-6, atol=0):
+            msg = f"x_scale 应为每组 amax / 448{where}；{r}"
+            for wrong, mistake in looks:
+                if torch.allclose(s, wrong, rtol=1e-6, atol=0):
+                    msg += f"\n  看起来像易错点：{mistake}"
+                    break
+            raise AssertionError(msg)
+        got = q.cpu().float()
+        v = x.float() / ref_s.repeat_interleave(group, -1)[:, :k]
+        assert_equal(got, ref_q.float(), what=f"x_fp8 = round_e4m3(x / scale)（最近偶数）{where}", rand=r,
+                     looks_like=_rounding_hint(got, v))
+        record_case(f"act:{label}")
+    record_case("act:strided-partial-zero-group")
 
 
 def _linear_case(r: Rand, num_tokens: int, k_whole: bool = False, k_small: bool = False, k_one: bool = False):
@@ -307,22 +361,30 @@ def _check_linear(m, r: Rand, x, q, s, w8a8: bool) -> None:
 def test_fp8_linear():
     m = impl(MODULE)
     r = Rand()
-    for num_tokens, k_whole, k_small, k_one in ((1, False, False, False), (r.int(2, 15), True, False, False),
-                                                (r.int(2, 15), False, True, False), (r.int(130, 140), False, False, True)):
+    for label, num_tokens, k_whole, k_small, k_one in (("T=1", 1, False, False, False),
+                                                       ("K-whole", r.int(2, 15), True, False, False),
+                                                       ("K-small", r.int(2, 15), False, True, False),
+                                                       ("K-tail-one", r.int(130, 140), False, False, True)):
         _check_linear(m, r, *_linear_case(r, num_tokens, k_whole, k_small, k_one), w8a8=False)
+        record_case(f"linear:{label}")
 
 
 @point("w8a8_linear = 量化-反量化后的 x @ dequantize(w)ᵀ（fp32 累加误差）")
 def test_w8a8_linear():
     m = impl(MODULE)
     r = Rand()
-    for num_tokens, k_whole in ((1, True), (r.int(65, 80), False)):            # T > BLOCK_M: two row blocks
+    for label, num_tokens, k_whole in (("T=1", 1, True), ("two-row-blocks", r.int(65, 80), False)):   # T > BLOCK_M
         x, q, s = _linear_case(r, num_tokens, k_whole)
         x = x * _spread(r, num_tokens, 1)                                   # tokens of very different sizes
         _check_linear(m, r, x, q, s, w8a8=True)
+        record_case(f"w8a8:{label}")
 
 
 # ----------------------------------------------------------------------------------------------------- MoE
+
+M_K_TAIL_DIM = ("只在 H、I 中恰好一个是 BLOCK_K（128）的整数倍时出错（两个都是、两个都不是的情形都对了）：K 维尾部的处理"
+                "（EVEN_K 与 mask）按错了维度——gate_up 的 K 是 H，down 的 K 是 I，两个 launcher 各按自己的 K 判断")
+
 
 def _nan_tail(t: torch.Tensor) -> torch.Tensor:
     """t as a view of a wider tensor whose 16 columns past the last are NaN: an unmasked K-tail read shows."""
@@ -380,10 +442,16 @@ def _run_moe(m, c: dict, act_fp8: bool, **over):
 def test_fused_experts_fp8():
     m = impl(MODULE)
     r = Rand()
-    for n_tok in (1, r.int(5, 12), r.int(200, 240)):
-        # N = 1 with whole K-tiles (H = 256, I = 128: the unmasked-K path), else K tails in both GEMMs; the last is a
-        # prefill: over 96 pairs per expert, so k03's pick_block_m says 128 and fused_experts_fp8 runs 64-row blocks
-        hidden, inter = (256, 128) if n_tok == 1 else (128 + r.choice([8, 24, 40]), 128 + r.choice([16, 56]))
+    odd_h, odd_i = (lambda: 128 + r.choice([8, 24, 40])), (lambda: 128 + r.choice([16, 56]))
+    # each shape case on its own, every run (the K-tile is 128 at decode sizes, 64 in prefill: _moe_tiles, given):
+    # N = 1 with whole K-tiles in both GEMMs (the unmasked-K path); K tails in both; H whole and I with a tail, and
+    # the reverse (each GEMM decides its own K-tail: gate_up's K is H, down's is I); a prefill: over 96 pairs per
+    # expert, so k03's pick_block_m says 128 and fused_experts_fp8 runs 64-row blocks
+    cases = (("N*k=1,H-whole,I-whole", 1, 256, 128), ("decode,H-tail,I-tail", r.int(5, 12), odd_h(), odd_i()),
+             ("decode,H-whole,I-tail", r.int(2, 4), 128, odd_i()),
+             ("decode,H-tail,I-whole", r.int(2, 4), odd_h(), 128),
+             ("prefill,H-tail,I-tail", r.int(200, 240), odd_h(), odd_i()))
+    for label, n_tok, hidden, inter in cases:
         experts = 4 if n_tok > 100 else r.int(4, 6)
         c = _moe_case(r, hidden, inter, experts, n_tok, k=1 if n_tok == 1 else 2)   # N·k = 1: a single pair
         alloc = GuardedAlloc()
@@ -409,11 +477,13 @@ def test_fused_experts_fp8():
             cc = {**c, **{n: c[n].contiguous() for n in ("w_gate", "w_up", "s_gate", "s_up")}}
             return _passes(lambda: _assert_fp32(_run_moe(m, cc, False), ref, bound, what="", r=r))
 
-        with _hint_if(unit_right, M_SCALE_INDEX), _hint_if(copies_right, "把 gate/up（或它们的 scale）当成了连续张量、"
-                                                             "按形状推 stride：它们是 [E, 2I, H] 两半的 strided view，"
-                                                             "stride 一律从 .stride() 取"):
-            _assert_fp32(out, ref, bound, what=f"fused_experts_fp8（N={n_tok}，H={c['x'].shape[1]}，"
+        mixed = "whole" in label and "tail" in label and not label.startswith("N*k")   # the earlier cases passed
+        with _hint_if(lambda: mixed, M_K_TAIL_DIM), _hint_if(unit_right, M_SCALE_INDEX), \
+                _hint_if(copies_right, "把 gate/up（或它们的 scale）当成了连续张量、按形状推 stride：它们是 [E, 2I, H] "
+                                       "两半的 strided view，stride 一律从 .stride() 取"):
+            _assert_fp32(out, ref, bound, what=f"fused_experts_fp8（{label}：N={n_tok}，H={c['x'].shape[1]}，"
                          f"I={c['w_gate'].shape[1]}，E={c['w_gate'].shape[0]}）", r=r, looks_like=looks)
+        record_case(f"moe:{label}")
 
 
 @point("gate_up_fp8 / down_fp8 的 FP8×FP8 路径：x_scale 按 token（pair // k）取，h_scale 按 pair 取")
@@ -447,7 +517,8 @@ def test_moe_act_fp8_launchers():
                               "FP8×FP8 的 dot 之后没有乘 x_scale"),
                              (F.silu(torch.einsum("ph,pih->pi", xd[tokens], sw_g)) * torch.einsum("ph,pih->pi", xd[tokens], sw_u),
                               "s_gate 和 s_up 用反了")])
-    hq, hs = _act_quant(h.cpu())
+    record_case("launch:gate-up-x-scale-by-token")
+    hq, hs = _act_quant((F.silu(g) * u).float())                  # down's input from the oracle's h, not the kernel's
     y = torch.zeros(num_pairs, hidden, device=DEVICE)
     wts = c["weights"].reshape(-1)
     with explain_crash(CRASHES):
@@ -460,6 +531,7 @@ def test_moe_act_fp8_launchers():
     _assert_fp32(y, ref, bound, what="down_fp8（h 是 FP8，h_scale [M, ⌈I/128⌉]）", r=r, rel=FP8_DOT_REL,
                  looks_like=[(torch.einsum("pi,phi->ph", hq.double(), wd) * wts.double()[:, None],
                               "FP8×FP8 的 dot 之后没有乘 h_scale")])
+    record_case("launch:down-h-scale-by-pair")
 
 
 @point("num_tokens_post_padded 之后的 block 直接返回（那里的 sorted_ids / expert_ids 是任意值时结果不变）")
@@ -497,18 +569,15 @@ def test_blocks_past_num_post():
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n  看起来像易错点：pid_m·BLOCK_M ≥ num_tokens_post_padded 的 block 没有直接 return："
                              "那之后的 sorted_ids / expert_ids 不保证是 pad，读了就会按错的 expert 重算、覆盖真实 pair 的行") from None
+    record_case("moe:past-num-post")
 
 
-@point("fused_experts_fp8（act_fp8=True）：x 与 h 都按 token group 动态量化，误差在一次 e4m3 舍入翻转之内")
-def test_fused_experts_act_fp8():
-    m = impl(MODULE)
-    r = Rand()
-    c = _moe_case(r, 128 + r.choice([8, 40]), 128 + r.choice([16, 56]), r.int(4, 6), r.int(5, 10))
-    out = _run_moe(m, c, True)
-    ref, h, bound = _moe_oracle(c, act_fp8=True)
-    # the kernel's h and the oracle's differ by fp32 rounding, so an element of h within a hair of an e4m3 rounding
-    # midpoint may round the other way: each such element may move the output by one e4m3 spacing times |Wd| (only
-    # those elements; in most draws there is none and the tolerance is fp32 accumulation error alone)
+def _act_fp8_tolerance(c: dict, h: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """The tolerance of an act_fp8 MoE output against _moe_oracle(c, act_fp8=True) (h, bound: its h and bound).
+
+    The kernel's h and the oracle's differ by fp32 rounding, so an element of h within a hair of an e4m3 rounding
+    midpoint may round the other way: each such element may move the output by one e4m3 spacing times |Wd| (only
+    those elements; in most draws there is none and the tolerance is fp32 accumulation error alone)."""
     n, k, i = h.shape
     hq, hs = _act_quant(h.float().reshape(n * k, i))
     v = h.reshape(n * k, i) / hs.double().repeat_interleave(128, -1)[:, :i]
@@ -519,12 +588,23 @@ def test_fused_experts_act_fp8():
     near_mid = ((v - q).abs() - spacing / 2).abs() <= window * spacing
     flip = (spacing * hs.double().repeat_interleave(128, -1)[:, :i] * near_mid).view(n, k, i)
     wd = _dequant(c["w_down"], c["s_down"]).double()[c["ids"]]
-    tol = (torch.einsum("nki,nkhi->nkh", flip, wd.abs()) * c["weights"].double()[..., None]).sum(1) + FP8_DOT_REL * bound
+    return (torch.einsum("nki,nkhi->nkh", flip, wd.abs()) * c["weights"].double()[..., None]).sum(1) + FP8_DOT_REL * bound
+
+
+@point("fused_experts_fp8（act_fp8=True）：x 与 h 都按 token group 动态量化，误差在一次 e4m3 舍入翻转之内")
+def test_fused_experts_act_fp8():
+    m = impl(MODULE)
+    r = Rand()
+    c = _moe_case(r, 128 + r.choice([8, 40]), 128 + r.choice([16, 56]), r.int(4, 6), r.int(5, 10))
+    out = _run_moe(m, c, True)
+    ref, h, bound = _moe_oracle(c, act_fp8=True)
+    tol = _act_fp8_tolerance(c, h, bound)
     weight_only = _moe_oracle(c, act_fp8=True, no_h_quant=True)[0]
     no_quant = _moe_oracle(c)[0]
     _assert_fp32(out, ref, tol, what="fused_experts_fp8（act_fp8=True）", r=r, rel=1.0,
                  looks_like=[(no_quant, "act_fp8=True 时没有量化激活（x 和 h 都按原值算了）"),
                              (weight_only, "act_fp8=True 时 h 没有再量化（down 之前也要按 token group 量化 h）")])
+    record_case("moe:act-fp8")
 
 
 def _fp8_weights_from_hf(block, m, m03, act_fp8: bool = False):
@@ -573,6 +653,22 @@ def test_fp8_moe_forward_hf():
         with explain_crash(CRASHES):
             out = m.fp8_moe_forward(x.to(DEVICE), w)
         assert_close(out, ref, what=f"fp8_moe_forward（{what}）", rand=r, atol=1e-5, rtol=1e-4)
+        record_case("forward:talker-shared" if w.shared is not None else "forward:qwen3-moe")
+        # the act_fp8 flag through this layer: HF's output with the routed experts' part replaced by the oracle of
+        # the same experts with x and h quantized per token group (routing: m03's HF-exact route, the reference)
+        w_act = dataclasses.replace(w, act_fp8=True)
+        weights, ids = m03.route(x, w.router.cpu(), w.top_k, w.norm_topk_prob)
+        c = dict(x=x, w_gate=w.w_gate.cpu(), w_up=w.w_up.cpu(), w_down=w.w_down.cpu(), s_gate=w.s_gate.cpu(),
+                 s_up=w.s_up.cpu(), s_down=w.s_down.cpu(), weights=weights, ids=ids)
+        routed_q, h, bound = _moe_oracle(c, act_fp8=True)
+        want = ref.double() - _moe_oracle(c)[0] + routed_q
+        with explain_crash(CRASHES):
+            out = m.fp8_moe_forward(x.to(DEVICE), w_act)
+        _assert_fp32(out, want, _act_fp8_tolerance(c, h, bound) + 1e-4 * ref.abs().double() + 1e-5, r=r, rel=1.0,
+                     what=f"fp8_moe_forward（{what}，act_fp8=True）",
+                     looks_like=[(ref, "fp8_moe_forward 没有把 w.act_fp8 传给 fused_experts_fp8：act_fp8=True 时结果和"
+                                       "不量化激活时一样（每一层都要把这个开关传下去）")])
+        record_case("forward:act-fp8-" + ("talker" if w.shared is not None else "qwen3-moe"))
 
 
 # ----------------------------------------------------------------------------------------------------- GPU
@@ -589,7 +685,7 @@ def test_real_shapes_cuda():
     dequant = impl("m06_models").dequantize_block_fp8
     for n, k in ((4096, 2048), (2048, 4096), (151936 // 32, 2048)):
         w = torch.randn(n, k, device="cuda", generator=gen) * 0.02
-        q, s = m.quantize_block_fp8(w)
+        q, s = _quant_block(w)                                              # the torch oracle, not the learner's
         wd = dequant(q, s)
         for num_tokens in (1, 7, 64, 256, 1000):
             x = torch.randn(num_tokens, k, device="cuda", generator=gen).bfloat16()
@@ -597,9 +693,8 @@ def test_real_shapes_cuda():
                                 ("w8a8_linear", m.w8a8_linear, None)):
                 out = fn(x, q, s)
                 assert_dtype(out, torch.bfloat16, what=f"bf16 输入时 {name} 的输出")
-                if a is None:
-                    xq, xs = m.quantize_act_fp8(x)
-                    a = xq.float() * xs.repeat_interleave(128, -1)[:, :k]
+                if a is None:                                               # from x alone (torch oracle)
+                    a = _act_dequant(*_act_quant(x)).cuda()
                 exact = a @ wd.T
                 err = (out.float() - exact).abs()
                 tol = exact.abs() * 2.0 ** -8 + 1e-4 * exact.abs().max()  # one bf16 rounding of the output
@@ -610,8 +705,8 @@ def test_real_shapes_cuda():
                                          f"超过输出的 bf16 舍入；{r}")
     experts, hidden, inter, topk = 128, 2048, 768, 8
     gu = torch.randn(experts, 2 * inter, hidden, device="cuda", generator=gen) * 0.02
-    q_gu, s_gu = m.quantize_block_fp8(gu)
-    q_d, s_d = m.quantize_block_fp8(torch.randn(experts, hidden, inter, device="cuda", generator=gen) * 0.02)
+    q_gu, s_gu = _quant_block(gu)                                           # the torch oracle, not the learner's
+    q_d, s_d = _quant_block(torch.randn(experts, hidden, inter, device="cuda", generator=gen) * 0.02)
     ni = inter // 128
     wg, wu, wdn = dequant(q_gu[:, :inter], s_gu[:, :ni]), dequant(q_gu[:, inter:], s_gu[:, ni:]), dequant(q_d, s_d)
     for n_tok in (1, 64, 256, 1000):

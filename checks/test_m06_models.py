@@ -6,6 +6,7 @@ save_pretrained (sharded), loaded by our loader; logits compared on several pack
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import torch
 from transformers import Qwen3_5MoeConfig
 
 from checks import hf_models
-from checks.kit import Rand, assert_close, explain_crash, impl, point
+from checks.kit import Rand, assert_close, explain_crash, impl, point, record_case
 
 MODULE = "m06_models"
 M_FP8_SCALE_KEY = ("FP8 checkpoint 的 `X.weight_scale_inv` 要和 `X.weight` 一起读、一起消费（它不是一个独立参数）；"
@@ -257,16 +258,20 @@ def test_qwen3_5_hub_layout():
                  what="Qwen3.5-MoE（hub 布局）的 logits", rand=r, atol=1e-4, rtol=1e-4)
     # the same layout in block-FP8: the fused experts [E, 2I, H] quantized expert by expert, scale_inv [E, rows, cols]
     block = r.choice([(16, 8), (8, 16)])
-    fp8, dequantized = hf_models.fp8_tensors(hf.state_dict(), block)
+    scale_dtype = r.choice(SCALE_DTYPES)
+    fp8, dequantized = hf_models.fp8_tensors(hf.state_dict(), block, scale_dtype)
+    record_case("hub:fused-experts-fp8")
     tensors = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: t for k, t in fp8.items()}
     wrapper.quantization_config = hf_models.fp8_quantization_config(block)
     with tempfile.TemporaryDirectory() as d:
         hf_models.write_checkpoint(Path(d), wrapper, tensors)
         model = _load(m, Path(d))
     hf.load_state_dict(dequantized)
-    assert_close(_our_logits(m, model, r, seqs, ids, positions, lengths), hf_models.hf_logits(hf, seqs),
-                 what=f"Qwen3.5-MoE（hub 布局，FP8，fused experts 按 expert 量化，block {list(block)}）的 logits",
-                 rand=r, atol=1e-4, rtol=1e-4)
+    with _scale_dtype_hint(m, scale_dtype):
+        assert_close(_our_logits(m, model, r, seqs, ids, positions, lengths), hf_models.hf_logits(hf, seqs),
+                     what=f"Qwen3.5-MoE（hub 布局，FP8，fused experts 按 expert 量化，block {list(block)}，"
+                     f"scale 为 {_dtype_name(scale_dtype)}）的 logits", rand=r, atol=1e-4, rtol=1e-4)
+    record_case(f"hub:scale-{_dtype_name(scale_dtype)}")
 
 
 @point("参数带 weight_loader（m07 的张量并行层）时，加载器把整个 checkpoint 张量交给它、按它返回的个数计数")
@@ -299,7 +304,7 @@ def test_weight_loader_params():
 
 def _broken(m, r: Rand, edit, fp8_block: tuple[int, int] | None = None) -> str:
     """Save a tiny qwen3_moe (block-FP8 with fp8_block), apply `edit` to its tensors, load: the CheckpointError's
-    message."""
+    message (NO_ERROR when it loads)."""
     config = hf_models.tiny_config("qwen3_moe", r)
     hf = hf_models.hf_model("qwen3_moe", config, r)
     tensors = hf_models.per_expert_state_dict(hf.state_dict())
@@ -309,9 +314,14 @@ def _broken(m, r: Rand, edit, fp8_block: tuple[int, int] | None = None) -> str:
     edit(tensors)
     with tempfile.TemporaryDirectory() as d:
         hf_models.write_checkpoint(Path(d), config, tensors)
-        with pytest.raises(m.CheckpointError) as info:
+        try:
             m.from_pretrained(d)
-    return str(info.value)
+        except m.CheckpointError as exc:
+            return str(exc)
+    return NO_ERROR
+
+
+NO_ERROR = "（没有报错：加载成功了）"
 
 
 @point("坏 checkpoint 报清楚的错并点名 key：缺 key、多余 key、形状不符、不支持的 model_type")
@@ -412,8 +422,43 @@ M_FP8_DIVIDED = "scale_inv 是乘数（w = w_fp8 × scale_inv），不是除数�
 M_FP8_GRID = ("按块展开 scale_inv 后与权重对不上：行（输出维 N）按 weight_block_size[0]、列（输入维 K）按 [1] 展开，"
               "最后一块不满时按 ceil 切块再截到 [N, K]；不能用 N // scale 行数反推块大小"
               "（HF 5.17 的 Fp8Dequantize 这样推，只在维度整除时对）")
+SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # Qwen's FP8 checkpoints ship each (Qwen3-1.7B-FP8: bf16)
+M_FP8_SCALE_DTYPE = ("反量化的乘法在 scale_inv 的 dtype（bf16 / f16）里做了：FP8 值（4 位有效位）与 bf16 / f16 的 scale 的乘积"
+                     "比 bf16 / f16 的有效位多，被舍入了；scale_inv 可能是 fp32、bf16 或 f16（Qwen 的 FP8 checkpoint 三种都有），"
+                     "要先转成 fp32、在 fp32 里乘完再转成 dtype")
 M_FP8_FROM_GRID = ("块大小用 N // scale 行数反推了：最后一块不满时推出的块比 weight_block_size 小，scale 的每一行盖住的权重行都错开了"
                    "（HF 5.17 的 Fp8Dequantize 这样推，只在维度整除时对）；不能反推块大小，要用传进来的 block")
+
+
+def _passes(fn) -> bool:
+    try:
+        return bool(fn())
+    except Exception:                     # noqa: BLE001 - evidence only: a crash is no evidence either way
+        return False
+
+
+@contextlib.contextmanager
+def _scale_dtype_hint(m, scale_dtype: torch.dtype):
+    """A failure inside names M_FP8_SCALE_DTYPE when dequantize_block_fp8 rounds a product with a scale_dtype scale:
+    q * (1 + eps) needs 3 more mantissa bits than scale_dtype has, so a product taken in that dtype is rounded."""
+    try:
+        yield
+    except AssertionError as exc:
+        if scale_dtype != torch.float32 and "易错点" not in str(exc):
+            q = torch.tensor([[1.875, 1.125], [7.0, 448.0]]).to(torch.float8_e4m3fn)
+            s = torch.tensor([[1.0 + torch.finfo(scale_dtype).eps]], dtype=scale_dtype)
+            if not _passes(lambda: torch.equal(m.dequantize_block_fp8(q, s, (2, 2)), q.float() * s.float())):
+                raise AssertionError(f"{exc}\n  看起来像易错点：{M_FP8_SCALE_DTYPE}") from None
+        raise
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+
+def _expand(scale: torch.Tensor, block: tuple[int, int], n: int, k: int) -> torch.Tensor:
+    """scale_inv [..., ceil(N/bn), ceil(K/bk)] -> one scale per weight element [..., N, K], in scale's dtype."""
+    return scale.repeat_interleave(block[0], -2)[..., :n, :].repeat_interleave(block[1], -1)[..., :k]
 
 
 def _fp8_family_config(family: str, r: Rand):
@@ -426,7 +471,7 @@ def _fp8_family_config(family: str, r: Rand):
     return config
 
 
-@point("dequantize_block_fp8：非方块、最后一块不满、stacked experts、输出 dtype")
+@point("dequantize_block_fp8：非方块、最后一块不满、stacked experts、输出 dtype、fp32 / bf16 / f16 的 scale_inv")
 def test_dequantize_block_fp8():
     m = impl(MODULE)
     r = Rand()
@@ -434,35 +479,52 @@ def test_dequantize_block_fp8():
     n = bn * r.int(1, 3) + r.int(1, bn - 1)                        # a partial last block row ...
     k = bk * r.int(1, 3) + r.int(1, bk - 1)                        # ... and column
     w = r.randn(n, k, scale=0.2)
-    q, scale = hf_models.fp8_quantize(w, (bn, bk))
-    want = hf_models.fp8_dequantize(q, scale, (bn, bk))
-    what = f"dequantize_block_fp8（[{n}, {k}]，block ({bn}, {bk})，scale_inv {list(scale.shape)}）"
-    with explain_crash({"must match the size of tensor": M_FP8_GRID}):
-        got = m.dequantize_block_fp8(q, scale, (bn, bk))
-    looks = [(hf_models.fp8_dequantize(q, 1 / scale, (bn, bk)), M_FP8_DIVIDED)]
-    rows, cols = scale.shape
-    if n % rows == 0 and k % cols == 0:   # the block read off the grid tiles the weight: wrong values, no crash
-        looks.append((hf_models.fp8_dequantize(q, scale, (n // rows, k // cols)), M_FP8_FROM_GRID))
-    assert_close(got, want, what=what, rand=r, atol=0, rtol=0, looks_like=looks)
+    q, scale32 = hf_models.fp8_quantize(w, (bn, bk))
+    for scale_dtype in SCALE_DTYPES:                       # the scale dtypes of Qwen's FP8 checkpoints, every run
+        scale = scale32.to(scale_dtype)
+        want = hf_models.fp8_dequantize(q, scale, (bn, bk))                 # fp32: q * scale is exact there
+        what = (f"dequantize_block_fp8（[{n}, {k}]，block ({bn}, {bk})，scale_inv {list(scale.shape)} "
+                f"{_dtype_name(scale_dtype)}）")
+        with explain_crash({"must match the size of tensor": M_FP8_GRID}):
+            got = m.dequantize_block_fp8(q, scale, (bn, bk))
+        assert isinstance(got, torch.Tensor) and got.dtype == torch.float32, \
+            (f"{what}：默认 dtype=torch.float32 时应返回 fp32，得到 {getattr(got, 'dtype', type(got).__name__)}；{r}"
+             + (f"\n  看起来像易错点：{M_FP8_SCALE_DTYPE}" if getattr(got, "dtype", None) == scale_dtype else ""))
+        looks = [(hf_models.fp8_dequantize(q, 1 / scale.float(), (bn, bk)), M_FP8_DIVIDED)]
+        if scale_dtype != torch.float32:
+            looks.append(((q.to(scale_dtype) * _expand(scale, (bn, bk), n, k)).float(), M_FP8_SCALE_DTYPE))
+        rows, cols = scale.shape
+        if n % rows == 0 and k % cols == 0:   # the block read off the grid tiles the weight: wrong values, no crash
+            looks.append((hf_models.fp8_dequantize(q, scale, (n // rows, k // cols)), M_FP8_FROM_GRID))
+        assert_close(got, want, what=what, rand=r, atol=0, rtol=0, looks_like=looks)
+        record_case(f"dequant:scale-{_dtype_name(scale_dtype)}")
+    record_case("dequant:partial-blocks")
     experts = r.int(2, 4)
     pairs = [hf_models.fp8_quantize(r.randn(n, k, scale=0.2), (bn, bk)) for _ in range(experts)]
     stacked_q, stacked_s = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
-    want = torch.stack([hf_models.fp8_dequantize(q_, s_, (bn, bk)) for q_, s_ in pairs])
-    with explain_crash({"must match the size of tensor": M_FP8_GRID}):
-        got = m.dequantize_block_fp8(stacked_q, stacked_s, (bn, bk), dtype=torch.bfloat16)
-    assert got.dtype == torch.bfloat16, f"dequantize_block_fp8(..., dtype=torch.bfloat16) 应返回 bf16，得到 {got.dtype}"
-    assert_close(got, want.to(torch.bfloat16), what=f"stacked experts [{experts}, {n}, {k}] 的 " + what, rand=r)
+    for out_dtype, scale_dtype in ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)):
+        with explain_crash({"must match the size of tensor": M_FP8_GRID}):
+            got = m.dequantize_block_fp8(stacked_q, stacked_s.to(scale_dtype), (bn, bk), dtype=out_dtype)
+        name = _dtype_name(out_dtype)
+        assert isinstance(got, torch.Tensor) and got.dtype == out_dtype, \
+            f"dequantize_block_fp8(..., dtype=torch.{out_dtype}) 应返回 {name}，得到 {getattr(got, 'dtype', type(got).__name__)}"
+        ref = torch.stack([hf_models.fp8_dequantize(q_, s_.to(scale_dtype), (bn, bk)) for q_, s_ in pairs])
+        assert_close(got, ref.to(out_dtype), what=f"stacked experts [{experts}, {n}, {k}]（dtype={name}，scale "
+                     f"{_dtype_name(scale_dtype)}）的 dequantize_block_fp8", rand=r, atol=0, rtol=0)
+        record_case(f"dequant:out-{name}")
+    record_case("dequant:stacked")
     card = m.dequantize_block_fp8(torch.tensor([[1.0, 2], [3, 4], [5, 6]]).to(torch.float8_e4m3fn),
                                   torch.tensor([[0.5], [2.0]]), (2, 2))
     assert torch.equal(card, torch.tensor([[0.5, 1], [1.5, 2], [10, 12]])), \
         f"卡片例子：dequantize_block_fp8(block=(2, 2)) 应得 [[0.5, 1], [1.5, 2], [10, 12]]，得到 {card.tolist()}"
 
 
-def _fp8_matches(family: str, r: Rand, block: tuple[int, int], config, hf_oracle: bool) -> None:
+def _fp8_matches(family: str, r: Rand, block: tuple[int, int], config, hf_oracle: bool,
+                 scale_dtype: torch.dtype = torch.float32) -> None:
     m = impl(MODULE)
     hf = hf_models.hf_model(family, config, r)
     with tempfile.TemporaryDirectory() as d:
-        folder, dequantized = hf_models.fp8_checkpoint(hf, Path(d), block)
+        folder, dequantized = hf_models.fp8_checkpoint(hf, Path(d), block, scale_dtype)
         with explain_crash({"must match the size of tensor": M_FP8_GRID}):
             model = _load(m, folder)
         # the oracle: HF 5.17 loading the same FP8 folder (dequantize=True), or, where HF's block arithmetic cannot
@@ -471,24 +533,28 @@ def _fp8_matches(family: str, r: Rand, block: tuple[int, int], config, hf_oracle
     seqs, ids, positions, lengths = _packed(r, config.vocab_size)
     out = _our_logits(m, model, r, seqs, ids, positions, lengths)
     ref = hf_models.hf_logits(ref_model, seqs)
-    assert_close(out, ref, what=f"FP8 checkpoint（weight_block_size {list(block)}）加载后 {family} 的 logits"
-                 f"（{_knobs(config)}）", rand=r, atol=1e-4, rtol=1e-4)
+    with _scale_dtype_hint(m, scale_dtype):
+        assert_close(out, ref, what=f"FP8 checkpoint（weight_block_size {list(block)}，scale_inv 为 "
+                     f"{_dtype_name(scale_dtype)}）加载后 {family} 的 logits（{_knobs(config)}）", rand=r, atol=1e-4, rtol=1e-4)
+    record_case(f"load:scale-{_dtype_name(scale_dtype)}")
 
 
 @point("FP8 checkpoint（非方块 block、多块、单个不满的块）：dense 与 MoE 两族的 logits 与 HF 5.17 加载同一目录一致")
 def test_fp8_checkpoint_hf():
     r = Rand()
     block = r.choice([(16, 8), (8, 16)])
-    for family in ("qwen3_moe", "qwen3_5_moe_text"):
-        _fp8_matches(family, r, block, _fp8_family_config(family, r), hf_oracle=True)
+    scale_dtypes = r.py.sample([torch.bfloat16, torch.float16], 2)        # each on every run, family by chance
+    for family, scale_dtype in zip(("qwen3_moe", "qwen3_5_moe_text"), scale_dtypes):
+        _fp8_matches(family, r, block, _fp8_family_config(family, r), hf_oracle=True, scale_dtype=scale_dtype)
 
 
 @point("FP8 checkpoint：dense qwen3 与 qwen3_5_text（GDN 投影也是 FP8）的 logits 与 HF 5.17 一致")
 def test_fp8_checkpoint_hf_dense():
     r = Rand()
     block = r.choice([(16, 8), (8, 16)])
-    for family in ("qwen3", "qwen3_5_text"):
-        _fp8_matches(family, r, block, _fp8_family_config(family, r), hf_oracle=True)
+    scale_dtypes = r.py.sample([torch.float32, torch.bfloat16], 2)
+    for family, scale_dtype in zip(("qwen3", "qwen3_5_text"), scale_dtypes):
+        _fp8_matches(family, r, block, _fp8_family_config(family, r), hf_oracle=True, scale_dtype=scale_dtype)
 
 
 @point("FP8 checkpoint：维度不是块大小的倍数（最后一块不满、前面还有整块）时 logits 仍然正确")
@@ -496,16 +562,37 @@ def test_fp8_partial_blocks():
     r = Rand()
     block = (r.choice([24, 40]), r.choice([24, 40]))      # intermediate 64 = 2 x 24 + 16 = 40 + 24: partial blocks
     family = r.choice(["qwen3", "qwen3_5_text"])
-    _fp8_matches(family, r, block, hf_models.tiny_config(family, r, hard=True), hf_oracle=False)
+    _fp8_matches(family, r, block, hf_models.tiny_config(family, r, hard=True), hf_oracle=False,
+                 scale_dtype=r.choice(SCALE_DTYPES))
 
 
-@point("坏的 FP8 checkpoint 报错并点名 key：float8 权重缺 scale、scale 形状与块网格不符")
+M_FP8_STRAY = ("把所有 *_scale_inv key 都跳过了：只有它的权重 X.weight 也在 checkpoint 里时，X.weight_scale_inv 才跟着权重一起读；"
+               "没有权重的 scale 要抛 CheckpointError 并点名这个 scale key（否则一个缺了权重或名字写错的 checkpoint 会被悄悄接受）")
+
+
+@point("坏的 FP8 checkpoint 报错并点名 key：float8 权重缺 scale、scale 形状与块网格不符、没有权重的 scale")
 def test_bad_fp8_checkpoints():
     m = impl(MODULE)
     r = Rand()
     key = "model.layers.2.mlp.experts.1.down_proj.weight"
     msg = _broken(m, r, lambda t: t.pop(key + "_scale_inv"), fp8_block=(16, 8))
     assert key in msg, f"float8 权重没有 weight_scale_inv 时应报 CheckpointError 并点名 {key!r}，得到：{msg}"
+    record_case("bad:no-scale")
     key = "model.layers.0.self_attn.k_proj.weight"
     msg = _broken(m, r, lambda t: t.update({key + "_scale_inv": t[key + "_scale_inv"][:, :-1]}), fp8_block=(16, 8))
     assert key + "_scale_inv" in msg, f"scale_inv 形状不符时应点名 {key + '_scale_inv'!r}，得到：{msg}"
+    record_case("bad:scale-shape")
+    # a scale with no weight beside it: the weight was dropped, or the scale's name belongs to no weight at all (a
+    # fused-expert scale in a per-expert checkpoint)
+    layer = r.int(0, 1)
+    dropped = f"model.layers.{layer}.self_attn.o_proj.weight"
+    fused = f"model.layers.{1 - layer}.mlp.experts.gate_up_proj_scale_inv"
+    for stray, edit, label in ((dropped + "_scale_inv", lambda t: t.pop(dropped), "bad:stray-scale-dropped-weight"),
+                               (fused, lambda t: t.update({fused: torch.ones(4, 2, 2)}), "bad:stray-scale-no-weight")):
+        msg = _broken(m, r, edit, fp8_block=(16, 8))
+        if stray not in msg:
+            skipped = msg == NO_ERROR or (stray == dropped + "_scale_inv" and "missing" in msg)
+            raise AssertionError(f"checkpoint 里有 {stray!r}，却没有它的权重 {stray.removesuffix('_scale_inv')!r}："
+                                 f"应抛 CheckpointError 并点名这个 scale key，得到：{msg}；{r}"
+                                 + (f"\n  看起来像易错点：{M_FP8_STRAY}" if skipped else ""))
+        record_case(label)

@@ -266,8 +266,9 @@ def load_checkpoint(model: CausalLM, path: str | Path) -> None:
     Block-FP8 weights are dequantized first: a key `X.weight` whose sibling `X.weight_scale_inv` exists (in any
     file of the folder) becomes dequantize_block_fp8(weight, scale, the config's weight_block_size) and the scale
     key is consumed with it. Raises CheckpointError naming the key for an unexpected key, a shape mismatch, a
-    parameter (or part of a packed one) that no key filled, a float8 weight without its scale, or a scale whose
-    shape does not match its weight's block grid.
+    parameter (or part of a packed one) that no key filled, a float8 weight without its scale, a scale whose
+    shape does not match its weight's block grid, or a scale (`*_scale_inv`) with no weight beside it. Scales may
+    be stored in fp32, bf16 or f16 (Qwen's FP8 checkpoints ship each).
     """
     raise NotImplementedError("m06: 请实现 load_checkpoint（见 lessons/m06_models.md）")
 

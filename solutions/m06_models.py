@@ -322,8 +322,9 @@ def load_checkpoint(model: CausalLM, path: str | Path) -> None:
     Block-FP8 weights are dequantized first: a key `X.weight` whose sibling `X.weight_scale_inv` exists (in any
     file of the folder) becomes dequantize_block_fp8(weight, scale, the config's weight_block_size) and the scale
     key is consumed with it. Raises CheckpointError naming the key for an unexpected key, a shape mismatch, a
-    parameter (or part of a packed one) that no key filled, a float8 weight without its scale, or a scale whose
-    shape does not match its weight's block grid.
+    parameter (or part of a packed one) that no key filled, a float8 weight without its scale, a scale whose
+    shape does not match its weight's block grid, or a scale (`*_scale_inv`) with no weight beside it. Scales may
+    be stored in fp32, bf16 or f16 (Qwen's FP8 checkpoints ship each).
     """
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
@@ -342,6 +343,9 @@ def load_checkpoint(model: CausalLM, path: str | Path) -> None:
             mapped = map_checkpoint_key(key)
             if mapped is None:
                 continue
+            if key.endswith("_scale_inv"):        # a scale whose weight is not in the checkpoint
+                raise CheckpointError(f"stray scale {key!r}: no weight {key.removesuffix('_scale_inv')!r} beside it "
+                                      f"in the checkpoint ({file.name})")
             name, shard = mapped
             if name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
                 continue

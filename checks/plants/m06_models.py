@@ -107,4 +107,14 @@ PLANTS = [
           old="            elif tensor.dtype == torch.float8_e4m3fn:\n",
           new="            elif False:\n",
           expect=None),
+    Plant("fp8_every_scale_skipped", "把所有 *_scale_inv key 都跳过了（没有权重的 scale 被悄悄接受）",
+          old="            if key.endswith(\"_scale_inv\") and key.removesuffix(\"_scale_inv\") in where:\n",
+          new="            if key.endswith(\"_scale_inv\"):\n",
+          expect="都跳过了"),
+    Plant("fp8_dequant_in_scale_dtype", "反量化的乘法在 scale 的 dtype（bf16 / f16）里做（scale_inv 不一定是 fp32）",
+          old="    scale = scale_inv.float().repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]\n"
+              "    return (w_fp8.float() * scale).to(dtype)\n",
+          new="    scale = scale_inv.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]\n"
+              "    return (w_fp8.to(scale.dtype) * scale).to(dtype)\n",
+          expect="scale_inv 的 dtype"),
 ]
