@@ -584,6 +584,9 @@ def load_fp8_checkpoint(model: CausalLM, path) -> None:
             mapped = map_checkpoint_key(key)
             if mapped is None or (mapped[0] == "lm_head.weight" and tied):
                 continue
+            if key.endswith("_scale_inv"):        # a scale whose weight is not in the checkpoint (m06's rule)
+                raise CheckpointError(f"stray scale {key!r}: no weight {key.removesuffix('_scale_inv')!r} beside it "
+                                      f"in the checkpoint ({file.name})")
             name, shard = mapped
             if name not in params:
                 raise CheckpointError(f"unexpected key {key!r} (mapped to {name!r}) in {file.name}")
