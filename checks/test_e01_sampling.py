@@ -23,7 +23,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from checks.kit import Rand, assert_close, assert_dtype, assert_equal, explain_crash, impl, point
+from checks.kit import Rand, assert_close, assert_dtype, assert_equal, explain_crash, impl, point, record_case
 
 transformers.utils.logging.set_verbosity_error()
 
@@ -276,6 +276,27 @@ def _arg(value) -> str:
     return repr(value)
 
 
+REJECTED = {"temperature": "reject:temperature", "top_k": "reject:top_k", "top_p": "reject:top_p",
+            "min_p": "reject:min_p", "max_tokens": "reject:max_tokens", "seed": "reject:seed",
+            "stop_token_ids": "reject:stop_token_ids"}
+
+
+def _record_rejected(name: str, value) -> None:
+    """The contract cases one rejected value stands for (checks/contracts/e01.toml)."""
+    record_case(REJECTED[name])
+    record_case("message:field-name-first")
+    if isinstance(value, bool):
+        record_case("reject:bool")
+    elif isinstance(value, str):
+        record_case("reject:str")
+    elif isinstance(value, int) and abs(value) >= 10**300:
+        record_case("reject:int-too-large-for-float")
+    elif isinstance(value, tuple):
+        record_case("reject:stop_token_ids-tuple")
+    elif isinstance(value, (set, frozenset)):
+        record_case("reject:stop_token_ids-set")
+
+
 @point("SamplingParams 校验：每个非法值都报 ValueError，消息以字段名开头、写出坏值")
 def test_params_rejects_bad_values():
     m = impl(MODULE)
@@ -294,6 +315,7 @@ def test_params_rejects_bad_values():
             if first != name:
                 raise AssertionError(f"SamplingParams({name}={_arg(value)}) 的 ValueError 应以字段名和一个空格开头"
                                      f"（{name} must ...），得到：{text!r}，第一个词是 {first!r}{MISTAKE_HINT}{FIELD_FIRST}") from None
+            _record_rejected(name, value)
             continue
         except NotImplementedError:
             raise
@@ -337,6 +359,7 @@ def test_params_accepts_edges():
                                          f"得到 {held!r}\n  看起来像易错点：{STOP_SET}")
             elif getattr(sp, name) != value:
                 raise AssertionError(f"SamplingParams(**{kwargs}).{name} 应为 {value!r}，得到 {getattr(sp, name)!r}")
+    record_case("accept:edges")
 
 
 @point("warp_logits 与 HF 的 warper 链逐行一致（随机的逐行参数）")
@@ -349,6 +372,7 @@ def test_warp_matches_hf():
     with explain_crash(CRASHES):
         out = m.warp_logits(logits.clone(), T, k, p, mp)
     assert_warp(out, logits, T, k, p, mp, r, "warp_logits")
+    record_case("warp:random-rows")
 
 
 @point("并列与边界：ties、top_p→0/1、top_k=0 与 ≥V、min_p=0/1 都与 HF 一致")
@@ -378,6 +402,8 @@ def test_warp_edges_and_ties():
     everything_off = torch.tensor([e == (1.0, 0, 1.0, 0.0) for e in edges] * 2)
     assert_close(out[everything_off], logits[everything_off], what="全部关闭（T=1, top_k=0, top_p=1, min_p=0）的行",
                  rand=r)
+    for case in ("edge:top_k=0", "edge:top_k>=V", "edge:top_p=1", "edge:top_p-tiny", "edge:tie-at-kth"):
+        record_case(case)
 
     # exactly on the boundary, every run: n tied maxima (probabilities exactly 1/n, the rest underflow to 0),
     # top_p = j/n puts a cumulative sum exactly on 1 - top_p; min_p = 1 puts every tied maximum exactly on the
@@ -396,6 +422,8 @@ def test_warp_edges_and_ties():
     with explain_crash(CRASHES):
         out = m.warp_logits(tied.clone(), T, k, p, mp)
     assert_warp(out, tied, T, k, p, mp, r, "warp_logits（n 个并列最大值，top_p = j/n、min_p = 1 恰在边界上）", ties=True)
+    record_case("edge:top_p=j/n")
+    record_case("edge:min_p=1")
 
     # ties in rows longer than 16: torch's default (unstable) sort keeps index order only up to 16 entries, so there
     # HF's own pick among equal logits is the sort's accident. The contract is a stable ascending sort (ties in index
@@ -422,6 +450,7 @@ def test_warp_edges_and_ties():
         raise AssertionError(f"warp_logits（V = {vocab} 的整数 logits，许多并列，top_p = {float(p[b]):.4f}）：第 {b} 行"
                              f"过滤掉的 token 与“并列按 index 顺序”的约定不同；{r}{MISTAKE_HINT}"
                              + (TIES if flipped else TIES_UNSTABLE))
+    record_case("edge:ties-longer-than-16")
 
 
 @point("temperature=0（及小于 1e-5 的正值）的行取 argmax（并列取第一个），不受 top-k/top-p/seed 影响")
@@ -455,6 +484,8 @@ def test_greedy_rows_take_argmax():
         tokens = sampler(logits, all_greedy, [None] * rows)
     _check_tokens(tokens, rows, "Sampler（全部 greedy）")
     _assert_greedy(tokens, logits, torch.ones(rows, dtype=torch.bool), "全部 greedy 的 batch", r)
+    for case in ("greedy:temperature=0", "greedy:tiny-temperature", "greedy:tied-maxima", "greedy:mixed-batch"):
+        record_case(case)
 
 
 def _assert_greedy(tokens, logits, rows, what: str, r: Rand) -> None:
@@ -495,6 +526,8 @@ def test_seeded_tokens_follow_the_contract():
                                  f"{int(tokens[b])}，按约定应为 {want[b]}（同一个 generator 从第 0 步一直用下来）："
                                  f"{GREEDY if sp.temperature == 0 else CONTRACT}"
                                  f"{MISTAKE_HINT + REGEN if regen else ''}；{r}")
+    record_case("seed:exponential-race-steps")
+    record_case("seed:unseeded-rows")
 
 
 def _as_int32(top_k: list[int]) -> list[int]:
@@ -542,6 +575,7 @@ def test_huge_top_k_means_no_cut():
         raise AssertionError(f"第 {step} 步第 {b} 行（top_k={huge[b]}，V = {vocab}，seed={seeds[b]}）得到 token "
                              f"{int(tokens[b])}，按约定应为 {want[b]}：大于词表的 top_k 等于不截断（与 top_k=0 相同）"
                              f"{hint}；{r}")
+    record_case("top_k:2**31..2**63-1")
 
 
 @point("同一个 seed：单独跑、混在不同的 batch 里、重跑一次，token 都相同")
@@ -584,6 +618,7 @@ def test_seed_independent_of_batch():
     if not torch.equal(both[:, where], both[:, -1]):
         raise AssertionError(f"同一个 batch 里两个 seed={seed} 的相同请求得到 {both[:, where].tolist()} 和 "
                              f"{both[:, -1].tolist()}\n  看起来像易错点：{SHARED_GEN}；{r}")
+    record_case("seed:alone-batched-rerun")
 
 
 @point("分布检验：经验频率接近 softmax(warp_logits)，被过滤的 token 从不出现")
@@ -620,6 +655,7 @@ def test_distribution():
                 f"的经验分布与 softmax(warp_logits) 的全变差距离为 {tv:.3f}，超过此样本量的上界 {bound:.3f}：\n"
                 f"  经验频率 {[round(v, 3) for v in freq.tolist()]}\n  应接近   {[round(v, 3) for v in probs.tolist()]}\n"
                 f"  （token = argmax(probs / q)，q ~ Exp(1)；乘 q、或用 logits 代替 probs 都不是正确的采样）；{r}")
+    record_case("dist:empirical-frequencies")
 
 
 class _HalfMath(TorchFunctionMode):
@@ -664,6 +700,7 @@ def test_half_logits_sampled_in_fp32():
             if tokens.tolist() != full.tolist():
                 raise AssertionError(f"同样的值、同样的 seed：{dtype} 的 logits 第 {step} 步得到 {tokens.tolist()}，"
                                      f"转成 fp32 再传入得到 {full.tolist()}\n  看起来像易错点：{HALF}；{r}")
+        record_case({torch.bfloat16: "dtype:bf16", torch.float16: "dtype:fp16"}[dtype])
 
 
 @point("卡片例子：V=5 的逐步过滤与 seed=0/1 的 exponential race")
@@ -716,3 +753,4 @@ def test_card_example():
     if not _same(out, torch.tensor([[-INF, 1.0, 1.0, -INF]])):
         raise AssertionError(f"卡片例子 logits=[1, 1, 1, 0]、top_p=0.5：HF 保留 token 1 和 2，应得到 [-inf, 1, 1, -inf]，"
                              f"得到 {out.tolist()}\n  看起来像易错点：{TIES}")
+    record_case("card:V=5")

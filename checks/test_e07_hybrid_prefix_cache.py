@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from checks import hf_models
-from checks.kit import Rand, assert_equal, explain_crash, impl, point
+from checks.kit import Rand, assert_equal, explain_crash, impl, point, record_case
 
 MODULE = "e07_hybrid_prefix_cache"
 NO_ALIGN = "预算用完时 chunk 没有退回到 block 边界：状态只在 chunk 末尾存在，落在块中间的状态存不成快照"
@@ -167,6 +167,10 @@ def test_chunk_end():
         shared = r.choice([0, r.int(0, num_tokens // bs) * bs])
         _check_chunk_end(m, start, end, num_tokens, bs, shared, r)
         cases += 1
+    record_case("chunk_end:branch-point")
+    record_case("chunk_end:prompt-end")
+    record_case("chunk_end:budget-cut")
+    record_case("chunk_end:no-boundary")
 
 
 # ----------------------------------------------------------------------------- StateCache on e02 + e04
@@ -344,6 +348,12 @@ def test_capture_restore():
                      rand=r, looks_like=[(torch.zeros_like(pool.ssm[i][slot]), NO_SSM)])
     assert cache.stats["snapshot_hits"] == 1 and cache.stats["prefill_tokens_saved"] == 2 * bs, \
         f"一次恢复、省下 {2 * bs} 个 prefill token，stats 应记下：{cache.stats}"
+    record_case("capture:chunk-on-boundary")
+    record_case("capture:chunk-mid-block")
+    record_case("capture:decode-boundary")
+    record_case("capture:newest-replaced")
+    record_case("restore:conv-and-ssm")
+    record_case("lookup:kv-hit-without-snapshot")
 
 
 def _check_touched(cache, before: list[int], keys: dict[int, int], hit: int, where: str, r: Rand) -> None:
@@ -452,6 +462,12 @@ def test_lookup_longest_computed_hit():
         f"两次恢复、各省 {s2 * bs} 个 prefill token，stats 应记下：{cache.stats}；{r}"
     _check_captured(cache, 4, r)
     _check_rows(cache, "4 份快照、两次恢复之后", r)
+    record_case("lookup:longest-of-several")
+    record_case("lookup:uncomputed-inside-run")
+    record_case("lookup:block-ids-not-positions")
+    record_case("lru:only-the-hit-touched")
+    record_case("restore:entries-unchanged")
+    record_case("restore:one-snapshot-twice")
 
 
 @point("capture / restore：算到 block 边界才拍、挂在结束处那一块的哈希上；decode 也拍，但每条序列在 prompt 之后只留最新一份；命中截到最后一个有快照的块；恢复的 conv 与 recurrent 状态逐元素相等")
@@ -499,6 +515,7 @@ def test_prompt_end_on_boundary_is_kept():
     with explain_crash({"slot_of": NO_SLOT}):
         slot = cache.restore(b, pool)
     _check_restored(pool, slot, end_state, "b 恢复后（应是 a 算完 prompt 时的状态）", r)
+    record_case("capture:prompt-end-on-boundary")
 
 
 def _past_prompt_trajectories(b1, b2, b3, b4, b5):
@@ -556,6 +573,7 @@ def test_recomputed_sequence_past_prompt():
             f"{[b * bs for b in right[i]]} 的快照（prompt 里的 {b1 * bs} 一直留着；end > {prompt_len} 的只留最新一份），"
             f"得到 {[b * bs for b in seen[i]]}；{r}" + (f"\n  看起来像易错点：{mistake}" if mistake else ""))
     _check_captured(cache, 5, r)
+    record_case("capture:preempted-recompute")
 
 
 @point("快照与它的 KV 块一起失效：块被逐出、又被一条还没算过它的序列重新登记后，旧快照不再命中；purge 丢掉 KV 已不在缓存里的快照")
@@ -600,6 +618,8 @@ def test_snapshot_dies_with_its_blocks():
                              f"留下另一份，得到 {len(cache.entries)} 份（另一份{'在' if _key(bm, live, 1) in cache.entries else '不在'}）；{r}")
     assert cache.stats["snapshots_evicted"] == evicted, \
         f"purge 丢掉够不着的快照不算逐出：snapshots_evicted 从 {evicted} 变成 {cache.stats['snapshots_evicted']}；{r}"
+    record_case("lookup:reregistered-uncomputed")
+    record_case("purge:unreachable")
 
 
 @point("预算与 LRU：快照数不超过 num_snapshots，满了逐出最久未用的；命中刷新 LRU 顺序")
@@ -634,6 +654,8 @@ def test_lru_budget():
         raise AssertionError(f"lookup 刚命中前缀 1，再拍前缀 3 时应逐出前缀 2，留下 [1, 3]，得到 {kept()}；{r}"
                              + (f"\n  看起来像易错点：{mistake}" if mistake else ""))
     assert cache.stats["snapshots_evicted"] == 2, f"逐出两次，stats 应记下：{cache.stats}"
+    record_case("lru:evict-oldest")
+    record_case("lru:hit-refreshes")
 
 
 def _one_block_seqs(e02, bm, pool, r: Rand, count: int, bs: int, tokens=None):
@@ -692,6 +714,7 @@ def test_full_store_purges_before_evicting():
     assert cache.stats["snapshots_evicted"] == evicted, \
         f"{when}有够不着的快照可丢，不该逐出任何快照（snapshots_evicted 从 {evicted} 变成 {cache.stats['snapshots_evicted']}）；{r}"
     _check_rows(cache, f"{when}（purge 之后）", r)
+    record_case("take_row:full-store-purge-first")
 
 
 @point("预算与 LRU：快照数不超过 num_snapshots，满了逐出最久未用的；命中刷新 LRU 顺序")
@@ -717,6 +740,7 @@ def test_free_row_before_purge():
             f"已有的 {taken} 份都留着（够不着的那几份等库满时再由 purge 收走）。得到新快照在第 {row} 行，第 {gone} 份不在表里了，"
             f"逐出 {cache.stats['snapshots_evicted'] - evicted} 份；{r}"
             + (f"\n  看起来像易错点：{PURGE_EARLY}" if gone and sorted(gone) == dead else ""))
+    record_case("take_row:free-row-with-unreachable")
 
 
 @point("预算与 LRU：快照数不超过 num_snapshots，满了逐出最久未用的；命中刷新 LRU 顺序")
@@ -764,6 +788,7 @@ def test_recapture_reuses_its_row():
         raise AssertionError(f"第 {k} 份重拍（移到 LRU 队尾）之后再拍一份新的：应逐出 LRU 队首第 0 份，留下刚重拍的第 {k} 份；"
                              f"得到表里有第 {[keys.index(h) for h in cache.entries if h in keys]} 份；{r}"
                              + (f"\n  看起来像易错点：{EVICT_NEWEST}" if newest_gone else ""))
+    record_case("capture:recapture-same-hash")
 
 
 @point("预算与 LRU：快照数不超过 num_snapshots，满了逐出最久未用的；命中刷新 LRU 顺序")
@@ -811,6 +836,7 @@ def test_own_old_snapshot_goes_first():
             + (f"\n  看起来像易错点：{TAKE_FIRST}" if front_gone and cache.stats["snapshots_evicted"] > evicted else ""))
     assert cache.stats["snapshots_evicted"] == evicted, \
         f"{when}不该逐出任何快照（snapshots_evicted 从 {evicted} 变成 {cache.stats['snapshots_evicted']}）；{r}"
+    record_case("capture:own-old-first-when-full")
 
 
 # ----------------------------------------------------------------------------- waiting, branch points, computed
@@ -919,6 +945,11 @@ def test_wait_for_a_prefix_computed_this_step():
     b = _seq(e02, system + r.randint(32, 63, (1,)).tolist(), bs)
     bm.allocate(b)
     assert b.num_cached_tokens == u * bs, f"{done}：b 接纳后应从 {u * bs} 的快照恢复，得到 num_cached_tokens {b.num_cached_tokens}；{r}"
+    record_case("wait:fresh")
+    record_case("wait:preempted")
+    record_case("wait:exactly-half")
+    record_case("wait:after-usable-hit")
+    record_case("wait:last-block-computed")
 
 
 @point(WAIT_POINT)
@@ -956,6 +987,9 @@ def test_branch_point():
     bm.wanted = set()
     got = bm.branch_point(stranger)
     assert got == 0, f"一条没有接纳过（没有 shared_tokens）、wanted 为空的序列，branch_point 应为 0，得到 {got!r}；{r}"
+    record_case("branch_point:wanted")
+    record_case("branch_point:shared-tokens")
+    record_case("branch_point:never-admitted")
 
 
 def _computed_of(bm, seq) -> list[bool]:
@@ -1002,6 +1036,8 @@ def test_computed_blocks():
         raise AssertionError(f"a 结束后它的块 {old} 又分给了一条还没跑过的序列：这些块不该再算好（得到 computed {got}），"
                              f"也不该还在 wanted 里（得到 {still}）；{r}"
                              + "".join(f"\n  看起来像易错点：{m}" for m in named))
+    record_case("computed:partial-block")
+    record_case("computed:new-owner")
 
 
 def _two_sharing(e02, r: Rand, s: int, bs: int):
@@ -1056,6 +1092,7 @@ def test_registration_follows_computed():
     if reg != [a.block_table[i] for i in range(u, s)] and reg != want[u:]:
         raise AssertionError(f"c 登记自己还没算的第 {u}..{s - 1} 块时，已算好的 a 那几份应保持登记（hash_to_block_id 指向 "
                              f"{want[u:]}），得到 {reg}；{r}\n  看起来像易错点：{SHADOWED}")
+    record_case("register:computed-copy")
 
 
 @point(COMPUTED_POINT)
@@ -1103,6 +1140,8 @@ def test_registration_survives_a_preempted_owner():
     bm.allocate(c)
     assert c.num_cached_tokens == u * bs, \
         f"c 以同样的 {s} 块开头，b 在 {u * bs} 拍了快照：应从那里恢复，得到 num_cached_tokens {c.num_cached_tokens}；{r}"
+    record_case("register:newest-uncomputed-copy")
+    record_case("register:preempted-owner")
 
 
 @point("capture / restore：算到 block 边界才拍、挂在结束处那一块的哈希上；decode 也拍，但每条序列在 prompt 之后只留最新一份；命中截到最后一个有快照的块；恢复的 conv 与 recurrent 状态逐元素相等")
@@ -1120,6 +1159,7 @@ def test_restore_without_snapshot_raises():
         if list(pool.free_slots) != free or a.seq_id in pool.slot_of:
             raise AssertionError(f"restore 找不到快照、抛出 RuntimeError 之前不该占用槽位：free_slots 从 {free} 变成 "
                                  f"{list(pool.free_slots)}；{r}") from None
+        record_case("restore:no-snapshot-raises")
         return
     raise AssertionError(f"a 的 num_cached_tokens = {a.num_cached_tokens}，但表里没有第 {a.num_cached_tokens // bs - 1} 块哈希的"
                          f"快照：restore 应抛 RuntimeError，得到返回槽位 {slot!r}；{r}\n  看起来像易错点：{RESTORE_ZERO}")
@@ -1154,6 +1194,7 @@ def test_own_old_snapshot_already_evicted():
     _check_rows(cache, when, r)
     _check_taken(bm, cache, a, 3, "a 的 decode ", r, decode=True)
     assert cache.newest.get(a.seq_id) == _key(bm, a, 3), f"{when}：newest[a] 应记下新快照的哈希；{r}"
+    record_case("capture:own-old-already-evicted")
 
 # ----------------------------------------------------------------------------- the engine, against HF
 @functools.lru_cache(maxsize=None)
@@ -1250,11 +1291,13 @@ def _multiturn(family: str):
 @point("多轮对话（qwen3_5_text）：打开缓存后每个输出与关闭缓存、与 HF generate 逐 token 一致；第 2 轮起每条请求都从上一轮回答里最后一个块边界的快照恢复")
 def test_multiturn_qwen3_5():
     _multiturn("qwen3_5_text")
+    record_case("engine:multiturn-qwen3_5")
 
 
 @point("多轮对话（qwen3_5_moe_text）：同上，MoE 混合模型")
 def test_multiturn_qwen3_5_moe():
     _multiturn("qwen3_5_moe_text")
+    record_case("engine:multiturn-qwen3_5_moe")
 
 
 @point("同一步到达、共享 system prompt 的请求：system prompt 只算一遍——第 1 条在分叉点停下拍快照，其余等一步后都从那里恢复；输出与关闭缓存一致")
@@ -1283,6 +1326,7 @@ def test_shared_prompt_computed_once():
         if m.chunk_end(0, n, n, bs, shared) != shared:
             msg += f"\n  看起来像易错点：{NO_BRANCH}（chunk_end(0, {n}, {n}, {bs}, {shared}) = {m.chunk_end(0, n, n, bs, shared)}）"
         raise AssertionError(msg)
+    record_case("engine:shared-prompt-same-step")
 
 
 @point("预算很小（num_state_snapshots=2）：按 LRU 逐出，快照数不超过预算，输出与关闭缓存一致")
@@ -1300,6 +1344,7 @@ def test_small_budget():
     stats = llm.stats
     assert stats["state_snapshots"] <= 2, f"预算 2 份，却存着 {stats['state_snapshots']} 份（stats={stats}）；{r}"
     assert stats["snapshots_evicted"] > 0, f"6 条请求、2 份预算却从没逐出过（stats={stats}）；{r}"
+    record_case("engine:small-budget")
 
 
 @point("抢占与 abort：KV 池很小时发生抢占、输出与关闭缓存一致；abort 一条算到一半的请求后 block、GDN 槽位全部归还，它已算好的快照仍可命中")
@@ -1337,3 +1382,5 @@ def test_preemption_and_abort():
     want = e05.LLM(str(folder), enable_prefix_caching=False, block_size=bs).generate([prompt], _greedy())[0].token_ids
     assert again == want, f"abort 之后同一条 prompt 从快照恢复，输出 {again}，关闭缓存为 {want}；{r}"
     assert big.stats["snapshot_hits"] >= 1, f"abort 前已算好 16 个 token、拍了快照，再来同一条 prompt 应命中（stats={big.stats}）"
+    record_case("engine:preemption")
+    record_case("engine:abort")
