@@ -35,6 +35,9 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from course.runtime import memory
+from course.runtime.memory import MemoryPlan
+
 from .e01_sampling import Sampler, SamplingParams, make_generator
 from .e02_block_manager import BlockManager, Sequence, SequenceStatus, compute_block_hash
 from .e03_scheduler import Scheduler, SchedulerConfig
@@ -485,7 +488,8 @@ def use_fp8(model: CausalLM, act_fp8: bool = False, only: set[str] | None = None
     float8 gate_up_proj / down_proj plus gate_up_proj_scale_inv [E, 2 ceil(I/128), ceil(H/128)] (gate's grid, then
     up's) and down_proj_scale_inv [E, ceil(H/128), ceil(I/128)]. `only`: the module names to convert (those a
     checkpoint ships with scales); quantize: quantize the current weights (dummy weights) with k05's
-    quantize_block_fp8 on their device, shard by shard. Returns the names of the converted modules."""
+    quantize_block_fp8 on their device, shard by shard. On the meta device (build_on_device) nothing is allocated.
+    Returns the names of the converted modules."""
     done = set()
     for name, module in list(model.named_modules()):
         if only is not None and name not in only:
@@ -494,33 +498,39 @@ def use_fp8(model: CausalLM, act_fp8: bool = False, only: set[str] | None = None
         if isinstance(module, nn.Linear) and (rows := fp8_shard_rows(model, name, module)) is not None:
             fp8 = FP8Linear(rows, module.in_features, act_fp8, device=module.weight.device)
             if quantize:
-                for i, part in enumerate(module.weight.split(rows)):
-                    w, s = fp8.shard(i)
-                    q, scale = quantize_block_fp8(part)
-                    w.copy_(q)
-                    s.copy_(scale)
+                _quantize_into(fp8, "weight", module.weight)
             setattr(model.get_submodule(parent), leaf, fp8)
             done.add(name)
         elif leaf == "experts" and isinstance(model.get_submodule(parent), SparseMoeBlock):
-            gate_up, down = module.gate_up_proj, module.down_proj
-            parts = [gate_up.chunk(2, dim=1), [down]]
-            for pname, tensors in (("gate_up_proj", parts[0]), ("down_proj", parts[1])):
-                full = gate_up if pname == "gate_up_proj" else down
-                weight = torch.empty(full.shape, dtype=FP8, device=full.device)
-                grids = [torch.ones(t.shape[0], triton.cdiv(t.shape[1], FP8_BLOCK), triton.cdiv(t.shape[2], FP8_BLOCK),
-                                    dtype=torch.float32, device=full.device) for t in tensors]
+            for pname in ("gate_up_proj", "down_proj"):
+                full = getattr(module, pname)
+                shards = 2 if pname == "gate_up_proj" else 1
+                grid = (full.shape[0], shards * triton.cdiv(full.shape[1] // shards, FP8_BLOCK),
+                        triton.cdiv(full.shape[2], FP8_BLOCK))
+                setattr(module, pname, nn.Parameter(torch.empty(full.shape, dtype=FP8, device=full.device),
+                                                    requires_grad=False))
+                setattr(module, pname + "_scale_inv", nn.Parameter(
+                    torch.ones(grid, dtype=torch.float32, device=full.device), requires_grad=False))
                 if quantize:
-                    row = 0
-                    for t, grid in zip(tensors, grids):
-                        q, scale = quantize_block_fp8(t)
-                        weight[:, row:row + t.shape[1]].copy_(q)
-                        grid.copy_(scale)
-                        row += t.shape[1]
-                setattr(module, pname, nn.Parameter(weight, requires_grad=False))
-                setattr(module, pname + "_scale_inv", nn.Parameter(torch.cat(grids, dim=1), requires_grad=False))
+                    _quantize_into(module, pname, full)
             module.act_fp8 = act_fp8
             done.add(name)
     return done
+
+
+def _quantize_into(module: nn.Module, pname: str, values: torch.Tensor) -> None:
+    """k05's quantize_block_fp8 of `values` (the model-dtype weight) into FP8 parameter `pname` of `module` and its
+    scales, shard by shard: an FP8Linear's q / k / v or gate / up rows, an experts tensor's gate and up halves."""
+    if isinstance(module, FP8Linear):
+        parts = [(values_part, *module.shard(i)) for i, values_part in enumerate(values.split(module.shard_rows))]
+    else:
+        weight, scale = getattr(module, pname), getattr(module, pname + "_scale_inv")
+        n = 2 if pname == "gate_up_proj" else 1
+        parts = list(zip(values.chunk(n, dim=1), weight.chunk(n, dim=1), scale.chunk(n, dim=1)))
+    for part, w, s in parts:
+        q, scale = quantize_block_fp8(part)
+        w.copy_(q)
+        s.copy_(scale)
 
 
 def fp8_views(model: CausalLM, name: str, shard: tuple) -> tuple[torch.Tensor, torch.Tensor]:
@@ -621,11 +631,15 @@ def load_fp8_checkpoint(model: CausalLM, path) -> None:
 
 # ----------------------------------------------------------------------------- building on the device
 def build_on_device(model, dtype: torch.dtype, device: torch.device, seed: int = 0,
-                    quantization: str | None = None) -> tuple[CausalLM, object]:
+                    quantization: str | None = None, before_allocating=None) -> tuple[CausalLM, object]:
     """An m06 model built directly on `device` in `dtype`: from an HF folder, or a config with dummy weights.
 
-    quantization "fp8" / "w8a8" (fp8_mode): block-FP8 linears and experts (use_fp8); an FP8 checkpoint's bytes and
-    scales are loaded as they are, dummy weights are drawn in `dtype` and quantized on the device."""
+    The parameters are first built on the meta device (no bytes; buffers such as RoPE's cache on `device`), the FP8
+    ones converted there (use_fp8), and `before_allocating(model)` may refuse what will not fit (the memory plan's
+    precheck). Only then is each parameter allocated, in its final dtype: a weight that will be FP8 never exists on
+    the device in `dtype`. quantization "fp8" / "w8a8" (fp8_mode): an FP8 checkpoint's bytes and scales are copied
+    as they are; dummy weights are drawn in `dtype` one tensor at a time and quantized on the device (dummy_weights_)."""
+    from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoTokenizer
     from pathlib import Path
     tokenizer, path = None, None
@@ -636,23 +650,38 @@ def build_on_device(model, dtype: torch.dtype, device: torch.device, seed: int =
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), init_empty_weights(include_buffers=False):
             built = build_model(model)
     finally:
         torch.set_default_dtype(default)
     act_fp8 = quantization == "w8a8"
+    if quantization:
+        use_fp8(built, act_fp8, only=fp8_checkpoint_modules(built, path) if path is not None else None)
+    if before_allocating is not None:
+        before_allocating(built)
+    materialize_(built, device)
     if path is not None and quantization:
-        use_fp8(built, act_fp8, only=fp8_checkpoint_modules(built, path))
         load_fp8_checkpoint(built, path)
     elif path is not None:
         load_checkpoint(built, path)
     else:
         dummy_weights_(built, seed)
-        if quantization:
-            use_fp8(built, act_fp8, quantize=True)
-    if quantization and device.type == "cuda":
-        torch.cuda.empty_cache()      # the replaced model-dtype weights: free for the KV cache (sized from mem_get_info)
     return built.eval(), tokenizer
+
+
+@torch.no_grad()
+def materialize_(model: nn.Module, device: torch.device) -> None:
+    """Every parameter still on the meta device -> an uninitialised one of the same shape and dtype on `device`.
+    A parameter shared by several modules (tied embeddings) stays shared."""
+    new: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            if id(p) not in new:
+                new[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                          requires_grad=p.requires_grad)
+            module._parameters[name] = new[id(p)]
 
 
 def fp8_mode(model, quantization: str | None, device: torch.device, tensor_parallel_size: int) -> str | None:
@@ -676,14 +705,22 @@ def fp8_mode(model, quantization: str | None, device: torch.device, tensor_paral
 
 @torch.no_grad()
 def dummy_weights_(model: CausalLM, seed: int = 0, std: float = 0.02) -> None:
-    """m06's dummy-weight recipe, drawn on the model's own device (a 35B model never touches host memory)."""
+    """m06's dummy-weight recipe, drawn on the model's own device (a 35B model never touches host memory). An FP8
+    parameter (use_fp8) gets the values its model-dtype weight would have, quantized shard by shard with k05's
+    quantize_block_fp8 into it and its scales: the same bytes as use_fp8(quantize=True) on the model-dtype model,
+    with one model-dtype tensor alive at a time."""
     device = next(model.parameters()).device
+    dtype = model.model.embed_tokens.weight.dtype
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
-        leaf = name.rsplit(".", 1)[-1]
+        parent, _, leaf = name.rpartition(".")
+        if leaf.endswith("_scale_inv"):
+            continue                                  # filled with its weight
         noise = torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32)
-        if "norm" in name:
-            base = 0.0 if isinstance(model.get_submodule(name.rsplit(".", 1)[0]), GemmaRMSNorm) else 1.0
+        if p.dtype == FP8:
+            _quantize_into(model.get_submodule(parent), leaf, (noise * std).to(dtype))
+        elif "norm" in name:
+            base = 0.0 if isinstance(model.get_submodule(parent), GemmaRMSNorm) else 1.0
             p.copy_(base + 0.1 * noise)
         elif leaf == "A_log":
             p.copy_((noise.abs() * 5 + 1).clamp(1, 16).log())
@@ -771,23 +808,24 @@ class GPUModelRunner(ModelRunner):
     """e04's runner with a CUDA backend: device KV cache and state pool, Triton layers, CUDA-graph decode."""
 
     def __init__(self, model: CausalLM, block_size: int, max_num_seqs: int, max_model_len: int,
-                 max_num_batched_tokens: int, num_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
+                 max_num_batched_tokens: int, num_blocks: int | None = None, plan: MemoryPlan | None = None,
                  enforce_eager: bool = False):
+        """num_blocks None: sized by `plan` (course/runtime/memory.py) from a profile run: the activation peak of a
+        max_num_batched_tokens prefill and of the sampler, and the decode forward the CUDA graphs will hold, are
+        measured on a small KV cache first; then the real cache takes what the plan leaves."""
         self.model, self.block_size, self.max_num_seqs = model, block_size, max_num_seqs
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        attn_layers = [layer.self_attn for layer in model.model.layers if not layer.is_linear]
-        if num_blocks is None:
-            num_blocks = self._blocks_that_fit(attn_layers, max_num_batched_tokens, gpu_memory_utilization)
-        self.num_blocks = num_blocks
-        self.kv_caches = []
-        for attn in attn_layers:
-            shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
-            self.kv_caches.append((torch.zeros(shape, dtype=self.dtype, device=self.device),
-                                   torch.zeros(shape, dtype=self.dtype, device=self.device)))
+        # the GDN state pool before the KV cache: a fixed size the plan counts (one spare row for graph padding)
         with torch.device(self.device):
             self.gdn_pool = GDNStatePool(model, max_num_seqs + 1, self.dtype) if model.linear_layer_ids else None
+        profile = num_blocks is None
+        if profile and plan is None:
+            raise ValueError("GPUModelRunner needs num_blocks or a memory plan")
+        # the profile run's cache: the largest prefill step's tokens plus a partial block for each of its sequences
+        self.num_blocks = -(-max_num_batched_tokens // block_size) + max_num_seqs + 1 if profile else num_blocks
+        self.kv_caches = self._kv_caches(self.num_blocks)
         # the decode kernel's grid is fixed by its number of key partitions: at most one per 256 keys
         self.max_splits = max(1, min(16, -(-max_model_len // 256)))
         use_kernels(model, self.kv_caches, num_splits=self.max_splits)
@@ -806,9 +844,103 @@ class GPUModelRunner(ModelRunner):
         self.placeholder_tokens = use_placeholders(model, max_num_seqs)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._warm_up_moe(max(max_num_batched_tokens, max_num_seqs))
+        if profile:
+            self._size_kv_cache(plan, max_num_batched_tokens, max_model_len, enforce_eager)
         if not enforce_eager:
             self.capture_cudagraphs()
             self.capture_moe_graphs(max_num_batched_tokens)
+        if profile:              # the largest step once more: its activations stay reserved, as the plan counts them
+            self.profile_run(max_num_batched_tokens, max_model_len)
+            plan.measured["free_after_warmup"] = memory.free_within(plan.budget, self.device)
+            plan.measured["allocator_reserved"] = torch.cuda.memory_reserved(self.device)
+
+    def _kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        caches = []
+        for layer in self.model.model.layers:
+            if not layer.is_linear:
+                attn = getattr(layer.self_attn, "inner", layer.self_attn)
+                b = attn.attn
+                shape = (num_blocks, self.block_size, b.num_kv_heads, b.head_dim)
+                caches.append((torch.zeros(shape, dtype=self.dtype, device=self.device),
+                               torch.zeros(shape, dtype=self.dtype, device=self.device)))
+        return caches
+
+    def _size_kv_cache(self, plan: MemoryPlan, max_tokens: int, max_model_len: int, enforce_eager: bool) -> None:
+        """Measure the activation peak (profile_run) and the decode forward the graphs will hold, then replace the
+        profile's small KV cache with the one the plan sizes (refused before allocating when it holds less than one
+        max_model_len sequence)."""
+        dev = self.device
+        torch.cuda.synchronize(dev)
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        self.profile_run(max_tokens, max_model_len)
+        plan.activations = torch.cuda.max_memory_allocated(dev) - base
+        if not enforce_eager:       # the decode graphs' pool holds about one eager decode forward at max_num_seqs
+            torch.cuda.reset_peak_memory_stats(dev)
+            self.profile_run(self.max_num_seqs, max_model_len, decode=True, sample=False)
+            plan.graphs = torch.cuda.max_memory_allocated(dev) - base
+            moe = next((layer.mlp for layer in self.model.model.layers if isinstance(layer.mlp, KernelMoE)), None)
+            if moe is not None:     # the MoE graphs' pool: one layer at the largest bucket, and its static in / out
+                torch.cuda.reset_peak_memory_stats(dev)
+                moe.eager(torch.zeros(max_tokens, self.model.config.hidden_size, dtype=self.dtype, device=dev))
+                plan.graphs += torch.cuda.max_memory_allocated(dev) - base
+                plan.graphs += 2 * max_tokens * self.model.config.hidden_size * self.dtype.itemsize
+        self.kv_caches = None
+        for b in self._attention_backends():
+            b.k_cache = b.v_cache = None
+        torch.cuda.empty_cache()
+        plan.outside = memory.used_outside_allocator(dev)
+        plan.block_size = self.block_size
+        plan.block_bytes = memory.kv_block_bytes(self.model, self.block_size, self.dtype)
+        blocks = plan.blocks_that_fit()
+        if blocks < self.max_blocks_per_seq:
+            memory.refuse(plan, f"一条 max_model_len 的序列（{self.max_blocks_per_seq} 块）的 KV cache ",
+                          (self.max_blocks_per_seq - max(blocks, 0)) * plan.block_bytes, max_model_len,
+                          self.max_num_seqs, "分配 KV cache 之前")
+        plan.num_blocks = self.num_blocks = blocks
+        self.kv_caches = self._kv_caches(blocks)
+        for b, (k, v) in zip(self._attention_backends(), self.kv_caches):
+            b.k_cache, b.v_cache = k, v
+
+    def _attention_backends(self) -> list:
+        return [layer.self_attn.inner.attn for layer in self.model.model.layers if not layer.is_linear]
+
+    @torch.inference_mode()
+    def profile_run(self, tokens: int, max_model_len: int, decode: bool = False, sample: bool = True) -> None:
+        """One eager step of `tokens` tokens on throw-away sequences (prompts of at most max_model_len tokens, random
+        ids, blocks 0.. of the cache, GDN slots taken and given back), then the sampler on max_num_seqs rows through
+        e01's path (top-p: the [B, V] sort): the step the engine's activations peak at. decode: `tokens` one-token
+        rows each reading one block. Nothing of it stays: no block is registered, every slot goes back."""
+        gen = torch.Generator().manual_seed(0)
+        vocab = self.model.config.vocab_size
+        sizes = [1] * tokens if decode else [min(max_model_len, tokens - i) for i in range(0, tokens, max_model_len)]
+        sizes = sizes[:self.max_num_seqs]                  # no step schedules more sequences
+        seqs, block = [], 0
+        for n in sizes:
+            seq = Sequence(torch.randint(0, vocab, (n + (1 if decode else 0),), generator=gen).tolist())
+            need = -(-seq.num_tokens // self.block_size)
+            seq.block_table = [(block + i) % self.num_blocks for i in range(need)]
+            block += need
+            seq.num_cached_tokens = seq.num_tokens - 1 if decode else 0
+            seq.num_scheduled_tokens = 1 if decode else n
+            if decode and self.gdn_pool is not None:
+                self.gdn_pool.allocate(seq)
+            seqs.append(seq)
+        try:
+            if decode:
+                self._run_decode(seqs)                     # eager: no graph is captured yet
+            else:
+                self._run_prefill(seqs)
+            if not sample:
+                return
+            logits = torch.zeros(self.max_num_seqs, vocab, dtype=self.dtype, device=self.device)
+            Sampler.__call__(self.sampler, logits, [SamplingParams(temperature=1.0, top_p=0.9)] * self.max_num_seqs,
+                             [None] * self.max_num_seqs)
+        finally:
+            for seq in seqs:
+                if self.gdn_pool is not None:
+                    self.gdn_pool.free(seq)
+        torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def _warm_up_moe(self, max_tokens: int) -> None:
@@ -861,30 +993,6 @@ class GPUModelRunner(ModelRunner):
         for moe in moes:
             moe.buckets, moe.io = buckets, (static_in, static_out)
         torch.cuda.synchronize(self.device)
-
-    def _blocks_that_fit(self, attn_layers, max_tokens: int, utilization: float) -> int:
-        """KV blocks for what is left of utilization * total memory after the weights and an activation reserve."""
-        free, total = torch.cuda.mem_get_info(self.device)
-        used = total - free
-        cfg = self.model.config
-        inter = max(getattr(cfg, "intermediate_size", 0) or 0,
-                    (getattr(cfg, "moe_intermediate_size", 0) or 0) * (getattr(cfg, "num_experts_per_tok", 1) or 1))
-        # activations of the largest prefill step (a few [tokens, width] tensors alive at once) + the logits
-        reserve = max_tokens * (8 * cfg.hidden_size + 4 * inter) * 4 + 4 * self.max_num_seqs * cfg.vocab_size * 4
-        reserve += 2 << 30                                               # allocator slack, graph pool, kernels
-        per_block = sum(2 * self.block_size * a.num_kv_heads * a.head_dim for a in attn_layers) * self.dtype.itemsize
-        blocks = int((total * utilization - used - reserve) // max(per_block, 1))
-        if blocks < self.max_blocks_per_seq:
-            gib = 2 ** 30
-            mine = torch.cuda.memory_reserved(self.device)
-            raise RuntimeError(
-                f"KV cache 放不下：GPU 共 {total / gib:.1f} GiB，gpu_memory_utilization={utilization} 允许用 "
-                f"{total * utilization / gib:.1f} GiB，但已经占用 {used / gib:.1f} GiB（本进程的 torch 分配器持有 "
-                f"{mine / gib:.1f} GiB，含权重；其余 {max(used - mine, 0) / gib:.1f} GiB 属于别的进程或驱动），"
-                f"再留 {reserve / gib:.1f} GiB 给激活，KV cache 只剩 {max(blocks, 0)} 块 × {per_block / 2**20:.2f} MiB，"
-                f"不够一条 max_model_len 的序列（{self.max_blocks_per_seq} 块）。先释放别处的显存（同一进程里的上一个"
-                f"引擎、别的进程），或调小 max_model_len / max_num_batched_tokens，或调大 gpu_memory_utilization。")
-        return blocks
 
     # ------------------------------------------------------------------ staging: one H2D copy per step
     def _stage(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
@@ -1173,12 +1281,19 @@ class LLM(CPULLM):
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
         num_blocks = kwargs.pop("num_kvcache_blocks", None)
+        gpu_memory_gib = kwargs.pop("gpu_memory_gib", None)
         kwargs.setdefault("dtype", torch.bfloat16)
         self.config = config = EngineConfig(num_kvcache_blocks=num_blocks or 1, **kwargs)
+        # the memory plan (course/runtime/memory.py): given machinery, printed by run / serve / bench
+        budget, card = memory.budget_bytes(device, gpu_memory_gib)
+        self.memory_plan = plan = MemoryPlan(card, budget, gpu_memory_utilization,
+                                             memory.used_outside_allocator(device), {}, 0, 0)
         if isinstance(model, nn.Module):
             self.model, self.tokenizer = model.to(device=device, dtype=config.dtype).eval(), tokenizer
         else:
-            self.model, loaded_tokenizer = build_on_device(model, config.dtype, device, config.seed, quantization)
+            precheck = (lambda meta: self._precheck(meta, plan)) if num_blocks is None and self.tp is None else None
+            self.model, loaded_tokenizer = build_on_device(model, config.dtype, device, config.seed, quantization,
+                                                           before_allocating=precheck)
             self.tokenizer = tokenizer or loaded_tokenizer
         if self.tp is not None:           # the full model -> this rank's shard (m07), before the KV cache is sized
             self.model = self.tp.shard(self.model)
@@ -1196,8 +1311,12 @@ class LLM(CPULLM):
         if snapshots:                     # allocated before the KV cache is sized from the memory left
             with torch.device(device):
                 state_cache = StateCache(self.model, config.num_state_snapshots, config.dtype)
+        self._fixed_sizes(self.model, plan, state_cache)
         self.runner = GPUModelRunner(self.model, config.block_size, config.max_num_seqs, config.max_model_len,
-                                     config.max_num_batched_tokens, num_blocks, gpu_memory_utilization, enforce_eager)
+                                     config.max_num_batched_tokens, num_blocks, plan, enforce_eager)
+        if num_blocks is not None:
+            plan.num_blocks, plan.block_size = num_blocks, config.block_size
+            plan.block_bytes = memory.kv_block_bytes(self.model, config.block_size, config.dtype)
         if self.tp is not None:           # rank 0: every worker ready; KV blocks = the fewest any rank has
             self.runner = self.tp.attach(self.runner)
         config.num_kvcache_blocks = self.runner.num_blocks
@@ -1211,6 +1330,38 @@ class LLM(CPULLM):
             max_model_len=config.max_model_len, eos_token_id=-1 if eos is None else int(eos),
             enable_chunked_prefill=config.enable_chunked_prefill), self.block_manager)
         self.requests: dict[int, Sequence] = {}
+
+    # ------------------------------------------------------------------ the memory plan
+    def _fixed_sizes(self, model: CausalLM, plan: MemoryPlan, state_cache: StateCache | None) -> None:
+        """The plan's entries whose size the settings fix: weights by kind, GDN state rows, snapshot rows."""
+        config = self.config
+        plan.weights = memory.weight_bytes(model)
+        row = memory.gdn_row_bytes(model, config.dtype)
+        plan.gdn_rows = config.max_num_seqs + 1 if row else 0
+        plan.gdn_pool = plan.gdn_rows * row
+        hybrid = bool(model.linear_layer_ids)
+        snapshots = hybrid and bool(config.enable_prefix_caching)
+        plan.snapshot_rows = config.num_state_snapshots if snapshots else 0
+        plan.snapshots = plan.snapshot_rows * row
+        if state_cache is not None:
+            plan.snapshots = sum(t.numel() * t.element_size() for pool in (state_cache.store.conv, state_cache.store.ssm)
+                                 for t in pool.values())
+
+    def _precheck(self, meta_model: CausalLM, plan: MemoryPlan) -> None:
+        """Before any weight is allocated: weights (as they will be: FP8 ones as FP8), GDN rows, snapshots, an
+        activation floor and one max_model_len sequence of K/V must fit, else MemoryPlanError with the numbers."""
+        config = self.config
+        self._fixed_sizes(meta_model, plan, None)
+        plan.activations = memory.activation_floor(text_config(meta_model.config), config.max_num_batched_tokens,
+                                                   config.max_num_seqs)
+        per_seq = -(-config.max_model_len // config.block_size)
+        plan.block_size = config.block_size
+        plan.block_bytes = memory.kv_block_bytes(meta_model, config.block_size, config.dtype)
+        if plan.blocks_that_fit() < per_seq:
+            memory.refuse(plan, f"一条 max_model_len 的序列（{per_seq} 块）的 KV cache ",
+                          (per_seq - max(plan.blocks_that_fit(), 0)) * plan.block_bytes, config.max_model_len,
+                          config.max_num_seqs, "加载权重之前")
+        plan.activations = 0                  # measured by the runner's profile run
 
     # ------------------------------------------------------------------ async scheduling
     def overlaps(self) -> bool:

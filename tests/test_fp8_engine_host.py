@@ -5,7 +5,8 @@
   trip), packed qkv / gate_up and per-expert shards included; the rest of the model equals m06's load.
 - GPUModelRunner's eager step on that FP8 model in Triton's interpreter (k05's kernels, fp32 activations) inside e05's
   engine: greedy tokens equal e05's engine on the same checkpoint dequantized by m06.
-- Dummy FP8 weights (bench --dtype fp8): use_fp8(quantize=True) stores k05's quantize_block_fp8 of each shard.
+- Dummy FP8 weights (bench --dtype fp8): use_fp8(quantize=True) stores k05's quantize_block_fp8 of each shard, and
+  build_on_device (parameters on the meta device first, FP8 ones never in the model dtype) stores the same bytes.
 - fp8_mode: "auto" picks FP8 for an FP8 folder on CUDA only; explicit FP8 off CUDA is refused.
 """
 
@@ -107,6 +108,14 @@ for n in done:
         assert torch.equal(mod.gate_up_proj[:, inter:].view(torch.uint8), q.view(torch.uint8)), n
         assert torch.equal(mod.gate_up_proj_scale_inv[:, grid:], s), n
 assert any(n.endswith(".experts") for n in done) and any(n.endswith("in_proj_qkv") for n in done), sorted(done)
+# built directly in FP8 (meta device, then one model-dtype tensor at a time): the same bytes as the path above
+direct, _ = g01.build_on_device(config, torch.float32, cpu, seed=3, quantization="fp8")
+mine = dict(direct.named_parameters())
+assert sorted(mine) == sorted(n for n, _ in dense.named_parameters()), sorted(set(mine) ^ set(dict(dense.named_parameters())))
+for n, p in dense.named_parameters():
+    assert p.dtype == mine[n].dtype and torch.equal(p.view(torch.uint8) if p.dtype == FP8 else p,
+                                                    mine[n].view(torch.uint8) if p.dtype == FP8 else mine[n]), n
+assert not any(p.is_meta for p in direct.parameters())
 # fp8_mode
 assert g01.fp8_mode(str(folder), "auto", torch.device("cpu"), 1) is None
 assert g01.fp8_mode(str(folder), "auto", torch.device("cuda"), 1) == "fp8"
