@@ -22,7 +22,7 @@ PLANTS = [
     Plant("per_tensor_scale", "scale 不是按 128×128 block 取的（一个张量一个 scale）",
           old="    amax = blocks.abs().amax(dim=(-3, -1))                                  # [..., nb, kb]\n",
           new="    amax = blocks.abs().amax(dim=(-4, -3, -2, -1))[..., None, None]\n",
-          expect="不是按 128×128 block 取的"),
+          expect="scale 不是按 block 取的"),
     Plant("no_round_helper", "直接 .to(fp8)，没有先用 _round_e4m3 舍入（解释器里不是最近偶数）",
           old="    q = _round_e4m3(tl.clamp(x / scale[:, None], -448.0, 448.0))\n",
           new="    q = tl.clamp(x / scale[:, None], -448.0, 448.0)\n",
