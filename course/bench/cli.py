@@ -72,6 +72,8 @@ def parsers() -> dict[str, _Parser]:
     engine.add_argument("--max-model-len", type=int, default=4096, metavar="N", help="一条序列最长的 token 数（默认 4096）")
     engine.add_argument("--block-size", type=int, default=32, metavar="N", help="KV cache 每块的 token 数（默认 32）")
     engine.add_argument("--enforce-eager", action="store_true", help="不用 CUDA graphs（对照用）")
+    engine.add_argument("--gpu-memory-gib", type=float, default=None, metavar="N",
+                        help="引擎最多用 N GiB 显存（模拟更小的卡；显存计划按它算）")
     engine.add_argument("--no-async-scheduling", action="store_true",
                         help="每步等 token 回到 host 再调度下一步（对照用）")
     engine.add_argument("--peer", choices=["hf", "none"], default="none",
@@ -245,6 +247,12 @@ def main(argv: list[str], say) -> int:
             setattr(opts, name, cpu_default if cpu else gpu_default)
     if min(opts.max_input_len, opts.max_output_len) < 100:
         ps["engine"].error("nano-vllm 的负载取 randint(100, N)：--max-input-len、--max-output-len 至少是 100")
+    if opts.gpu_memory_gib is not None:
+        if cpu or not opts.gpu_memory_gib > 0:
+            ps["engine"].error("--gpu-memory-gib N 要 N > 0，且只用于 GPU（不能和 --device cpu 同用）")
+        import os
+        from ..runtime.memory import ENV_CAP
+        os.environ[ENV_CAP] = str(opts.gpu_memory_gib)      # the engine's plan reads it; child processes inherit it
     import torch
     if not cpu and not torch.cuda.is_available():
         say("[yellow]./check.sh bench 需要 NVIDIA GPU（CUDA）；这台机器没有，未运行。"

@@ -91,6 +91,12 @@ def build_engine(args, prompts, tp: int = 1):
     warm += [(p * 4)[:min(args.max_model_len - 8, 1500)] for p in prompts[8:8 + 12]]
     warm = [[t + WARM_UP_OFFSET for t in p] for p in warm]
     llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True))
+    plan = getattr(llm, "memory_plan", None)
+    if plan is not None and not cpu:           # course/runtime/memory.py: where the card's bytes went
+        from ..runtime import memory
+        torch.cuda.synchronize()
+        plan.measured["free_after_bench_warmup"] = memory.free_within(plan.budget, torch.device("cuda"))
+        print(plan.table(), flush=True)
     return llm, SamplingParams, startup
 
 

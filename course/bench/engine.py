@@ -98,6 +98,12 @@ def run_engine(args, prompts, out_lens, tp: int = 1) -> dict:
                   kv_blocks=getattr(llm.runner, "num_blocks", None) or llm.config.num_kvcache_blocks,
                   block_size=args.block_size, cuda_graph_buckets=sorted(getattr(llm.runner, "graphs", None) or []),
                   startup_s=startup, free_gib_at_start=args._free_at_start)
+    plan = getattr(llm, "memory_plan", None)
+    if plan is not None and cuda:            # the plan and what the allocator really holds after the timed runs
+        from ..runtime import memory
+        plan.measured["free_after_timed_runs"] = memory.free_within(plan.budget, torch.device("cuda"))
+        plan.measured["max_allocated"] = torch.cuda.max_memory_allocated()
+        result["memory_plan"] = plan.as_dict()
     if getattr(llm.runner, "graphs", None):
         try:
             with torch.inference_mode():
@@ -390,7 +396,15 @@ def bench(args, argv: list[str], say) -> int:
                 r["engine"] = f"course ({count} prompts)"
             results.append(r)
     else:
-        results = [run_engine(args, prompts, out_lens)]
+        from ..runtime.memory import MemoryPlanError
+        try:
+            results = [run_engine(args, prompts, out_lens)]
+        except MemoryPlanError as exc:            # refused at start, with the numbers: no traceback
+            from rich.markup import escape
+            say(f"[red]{escape(str(exc))}[/]")
+            print("BENCH_REFUSED " + json.dumps({"model": args.model, "dtype": getattr(args, "dtype", "bf16"),
+                                                 "message": str(exc)}, ensure_ascii=False), flush=True)
+            return 3
     where = "CPU" if cpu else torch.cuda.get_device_name()
     weights = "" if getattr(args, "dtype", "bf16") == "bf16" else f" --dtype {args.dtype}"
     table = Table(title=f"./check.sh bench --model {args.model}{weights}  ({where})" if not cpu else

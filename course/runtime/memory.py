@@ -169,11 +169,19 @@ class MemoryPlan:
         lines = [f"显存计划：预算 {self.budget / GIB:.1f} GiB{cap}，gpu_memory_utilization={self.utilization}"]
         for name, b, note in self.rows():
             lines.append(f"  {name:<22} {b / GIB:8.2f} GiB  {note}")
-        if "free_after_warmup" in self.measured:
-            got = self.measured["free_after_warmup"]
-            lines.append(f"  启动后实测空闲 {got / GIB:.2f} GiB，计划剩余 {self.left / GIB:.2f} GiB，"
-                         f"差 {(got - self.left) / self.card:+.1%}（占整卡）")
+        when = {"free_after_warmup": "引擎启动后", "free_after_bench_warmup": "预热请求后",
+                "free_after_timed_runs": "计时运行后"}
+        for key, label in when.items():
+            if key in self.measured:
+                got = self.measured[key]
+                lines.append(f"  {label}实测空闲 {got / GIB:.2f} GiB，计划剩余 {self.left / GIB:.2f} GiB，"
+                             f"差 {(got - self.left) / self.card:+.1%}（占整卡）")
         return "\n".join(lines)
+
+    def left_error(self) -> float:
+        """The largest |measured free - planned left| / card over the free-memory readings taken so far (0 if none)."""
+        return max((abs(v - self.left) / self.card for k, v in self.measured.items() if k.startswith("free_after")),
+                   default=0.0)
 
     def as_dict(self) -> dict:
         return {"card_bytes": self.card, "budget_bytes": self.budget, "utilization": self.utilization,
@@ -181,7 +189,8 @@ class MemoryPlan:
                 "gdn_rows": self.gdn_rows, "gdn_pool_bytes": self.gdn_pool, "snapshot_rows": self.snapshot_rows,
                 "snapshot_bytes": self.snapshots, "activation_bytes": self.activations, "graph_bytes": self.graphs,
                 "block_size": self.block_size, "block_bytes": self.block_bytes, "num_blocks": self.num_blocks,
-                "kv_bytes": self.kv, "left_bytes": self.left, "measured": dict(self.measured)}
+                "kv_bytes": self.kv, "left_bytes": self.left, "measured": dict(self.measured),
+                "left_error_of_card": self.left_error()}
 
 
 def refuse(plan: MemoryPlan, what: str, need: int, max_model_len: int, max_num_seqs: int, stage: str) -> None:

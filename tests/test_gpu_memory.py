@@ -1,0 +1,167 @@
+"""Issue 44 on a GPU: the memory plan (course/runtime/memory.py) holds on the cards learners have.
+
+- Load peak: a block-FP8 checkpoint at Qwen3-30B-A3B's real widths (4 layers) loads with a peak of at most the FP8
+  model's bytes + its largest model-dtype tensor + 1 GiB (build_on_device never holds a bf16 copy of an FP8 weight);
+  the old path (bf16 model, then use_fp8) on the same shapes peaks above that bound, so the bound can fail.
+- The matrix: `./check.sh bench` on four models under --gpu-memory-gib 24 / 48 / 80. Every cell either runs the
+  workload to the end, with the plan's "left" within 2 % of the card of the free memory measured after warm-up and
+  after the timed run, or is refused at start (exit 3, MemoryPlanError's paragraph): never an OOM traceback. Three
+  cells must run (the issue's minimum). COURSE_MATRIX_OUT=DIR keeps each cell's output and JSON.
+
+Every test here needs CUDA and skips without it (CI has no GPU). Run on a GPU:
+    python3 -m pytest tests/test_gpu_memory.py -v -s
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+CUDA = torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(not CUDA, reason="需要 NVIDIA GPU（CUDA）")
+GIB = 2 ** 30
+FP8 = torch.float8_e4m3fn
+SKIPPED = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight", "shared_expert_gate", "conv1d")   # stay bf16
+
+
+def _checkpoint_shapes(config) -> dict[str, tuple[int, ...]]:
+    """The on-disk keys (per-expert layout) and shapes of an HF model built on the meta device."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config)
+    shapes = {}
+    for key, t in hf.state_dict().items():
+        if key.endswith(".experts.gate_up_proj"):
+            e, two_i, h = t.shape
+            for i in range(e):
+                shapes[f"{key[:-len('gate_up_proj')]}{i}.gate_proj.weight"] = (two_i // 2, h)
+                shapes[f"{key[:-len('gate_up_proj')]}{i}.up_proj.weight"] = (two_i // 2, h)
+        elif key.endswith(".experts.down_proj"):
+            e, h, i_ = t.shape
+            for i in range(e):
+                shapes[f"{key[:-len('down_proj')]}{i}.down_proj.weight"] = (h, i_)
+        else:
+            shapes[key] = tuple(t.shape)
+    return shapes
+
+
+def write_fp8_checkpoint(config, folder: Path, shards: int = 4) -> None:
+    """A Qwen3-*-FP8-style folder: every 2-D weight but SKIPPED as float8_e4m3fn (random finite bytes) with an fp32
+    weight_scale_inv per 128 x 128 block; the rest bf16. Values are irrelevant here: only the bytes' sizes matter."""
+    from safetensors.torch import save_file
+    folder.mkdir(parents=True, exist_ok=True)
+    config.quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [128, 128]}
+    config.save_pretrained(folder)
+    gen = torch.Generator().manual_seed(0)
+    keys = sorted(_checkpoint_shapes(config).items())
+    for s in range(shards):
+        part = {}
+        for key, shape in keys[s::shards]:
+            if len(shape) == 2 and not any(k in key for k in SKIPPED):
+                part[key] = torch.randint(0, 0x7E, shape, dtype=torch.uint8, generator=gen).view(FP8)
+                part[key + "_scale_inv"] = torch.full((-(-shape[0] // 128), -(-shape[1] // 128)), 1e-3)
+            else:
+                part[key] = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+        save_file(part, str(folder / f"model-{s + 1:05d}-of-{shards:05d}.safetensors"))
+
+
+def _g01():
+    sys.path.insert(0, str(ROOT))
+    from course.grader import select
+    return select.load("g01_gpu_engine")
+
+
+def test_fp8_checkpoint_loads_without_a_bf16_copy():
+    from course.bench.common import hf_config
+    g01 = _g01()
+    config = hf_config("qwen3-30b-a3b")
+    config.num_hidden_layers = 4
+    folder = Path(tempfile.mkdtemp(prefix="course-fp8-real-"))
+    write_fp8_checkpoint(config, folder)
+    dev = torch.device("cuda")
+
+    def peak_of(build):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        model = build()
+        torch.cuda.synchronize()
+        return model, torch.cuda.max_memory_allocated() - base
+
+    model, peak = peak_of(lambda: g01.build_on_device(str(folder), torch.bfloat16, dev, quantization="fp8")[0])
+    params = {id(p): p for p in model.parameters()}.values()
+    total = sum(p.numel() * p.element_size() for p in params)
+    largest = max(p.numel() * p.element_size() for p in params if p.dtype == torch.bfloat16)
+    fp8 = sum(p.numel() for p in params if p.dtype == FP8)
+    bound = total + largest + GIB
+    print(f"\nFP8 load at Qwen3-30B-A3B widths, 4 layers: peak {peak / GIB:.2f} GiB; model {total / GIB:.2f} GiB "
+          f"({fp8 / GIB:.2f} GiB float8); largest bf16 tensor {largest / GIB:.2f} GiB; bound {bound / GIB:.2f} GiB")
+    assert fp8 > total / 2, "the checkpoint's experts were not loaded as FP8"
+    assert peak <= bound, f"load peak {peak / GIB:.2f} GiB > bound {bound / GIB:.2f} GiB: a model-dtype copy was made"
+    del model
+    # the control: the old order (the whole model in bf16, then use_fp8) on the same shapes exceeds the bound
+    def old_path():
+        m, _ = g01.build_on_device(config, torch.bfloat16, dev, quantization=None)
+        g01.use_fp8(m, False, quantize=True)
+        return m
+    control, old_peak = peak_of(old_path)
+    del control
+    torch.cuda.empty_cache()
+    print(f"control (bf16 first, then use_fp8): peak {old_peak / GIB:.2f} GiB")
+    assert old_peak > bound, "the bound does not tell the two paths apart"
+
+
+# (cap GiB, model, dtype, must it run?) - the issue's matrix; the three cells the issue requires to run are marked
+MATRIX = [(cap, model, dtype, (cap, model, dtype) in {(24, "qwen3-0.6b", "bf16"), (48, "qwen3-30b-a3b", "w8a8"),
+                                                       (80, "qwen3.5-35b-a3b", "w8a8")})
+          for cap in (24, 48, 80)
+          for model, dtype in (("qwen3-0.6b", "bf16"), ("qwen3-30b-a3b", "bf16"), ("qwen3-30b-a3b", "w8a8"),
+                               ("qwen3.5-35b-a3b", "w8a8"))]
+
+
+@pytest.mark.parametrize("cap,model,dtype,must_run", MATRIX,
+                         ids=[f"{c}GiB-{m}-{d}" for c, m, d, _ in MATRIX])
+def test_bench_runs_or_refuses_at_start(cap, model, dtype, must_run):
+    out = Path(os.environ.get("COURSE_MATRIX_OUT") or tempfile.mkdtemp(prefix="course-matrix-"))
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"{cap}GiB-{model}-{dtype}"
+    cmd = [sys.executable, "-m", "course", "bench", "--model", model, "--dtype", dtype, "--gpu-memory-gib", str(cap),
+           "--json", str(out / f"{name}.json")]
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"})
+    seconds = time.perf_counter() - t
+    text = proc.stdout + proc.stderr
+    (out / f"{name}.log").write_text(f"$ {' '.join(cmd)}\nexit {proc.returncode} after {seconds:.0f} s\n{text}")
+    summary = dict(cell=name, exit=proc.returncode, seconds=round(seconds, 1))
+    if proc.returncode == 0:
+        doc = json.loads((out / f"{name}.json").read_text())
+        eng = doc["results"][0]
+        plan = eng["memory_plan"]
+        summary.update(tok_per_s=round(eng["tok_per_s"]), kv_blocks=plan["num_blocks"],
+                       left_error_of_card=round(plan["left_error_of_card"], 4))
+    else:
+        refused = [line for line in text.splitlines() if line.startswith("BENCH_REFUSED ")]
+        summary.update(refused=json.loads(refused[-1][len("BENCH_REFUSED "):])["message"] if refused else None)
+    with open(out / "matrix.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps(summary, ensure_ascii=False) + "\n")
+    print("\n" + json.dumps(summary, ensure_ascii=False))
+    assert "OutOfMemoryError" not in text and "Traceback" not in text, f"{name}: a traceback, not a refusal:\n{text[-4000:]}"
+    if must_run:
+        assert proc.returncode == 0, f"{name} must run:\n{text[-3000:]}"
+    assert proc.returncode in (0, 3), f"{name}: exit {proc.returncode}:\n{text[-3000:]}"
+    if proc.returncode == 0:
+        assert summary["left_error_of_card"] <= 0.02, f"{name}: plan's left vs measured free: {plan}"
+    else:
+        assert summary["refused"] and "显存放不下" in summary["refused"], text[-3000:]
