@@ -366,7 +366,7 @@ FP8_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "in_proj_qkv",
                "out_proj")                                 # what a Qwen FP8 checkpoint quantizes (not lm_head, router)
 
 
-CUBLAS_FP8_MIN_TOKENS = 128   # below this k05's Triton w8a8 kernel is as fast or faster (H200, 2026-12-04)
+CUBLAS_FP8_MIN_TOKENS = 128   # set by hand, not read off k05.json (there cuBLAS leads from T = 64 on all four linears; §K.5)
 CUBLAS_FP8_ROWS = 4           # cuBLAS's block-scaled GEMM takes token counts in multiples of this
 
 

@@ -20,9 +20,10 @@ q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj, experts.{e}.* -> the fused
 `model.language_model.` and `thinker.` prefixes are stripped, vision / audio / mtp / talker keys skipped.
 
 Block-FP8 checkpoints (Qwen3-*-FP8; config.json has a quantization_config with quant_method "fp8"): each
-converted linear ships `X.weight` float8_e4m3fn [N, K] and `X.weight_scale_inv` fp32 [ceil(N/bn), ceil(K/bk)]
-for weight_block_size [bn, bk], w[n, k] = w_fp8[n, k] * scale_inv[n // bn, k // bk] (the last block of a dim
-that is not a multiple of the block is partial). The loader dequantizes such a pair before the usual mapping.
+converted linear ships `X.weight` float8_e4m3fn [N, K] and `X.weight_scale_inv` [ceil(N/bn), ceil(K/bk)]
+(fp32, bf16 or fp16) for weight_block_size [bn, bk], w[n, k] = w_fp8[n, k] * scale_inv[n // bn, k // bk]
+(the last block of a dim that is not a multiple of the block is partial). The loader dequantizes such a pair
+before the usual mapping.
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ def parsers() -> dict[str, _Parser]:
     engine.add_argument("--block-size", type=int, default=32, metavar="N", help="KV cache 每块的 token 数（默认 32）")
     engine.add_argument("--enforce-eager", action="store_true", help="不用 CUDA graphs（对照用）")
     engine.add_argument("--gpu-memory-gib", type=float, default=None, metavar="N",
-                        help="引擎最多用 N GiB 显存（模拟更小的卡；显存计划按它算）")
+                        help="显存预算 N GiB（模拟更小的卡）")
     engine.add_argument("--no-async-scheduling", action="store_true",
                         help="每步等 token 回到 host 再调度下一步（对照用）")
     engine.add_argument("--peer", choices=["hf", "none"], default="none",
