@@ -654,6 +654,8 @@ def build_on_device(model, dtype: torch.dtype, device: torch.device, seed: int =
             built = build_model(model)
     finally:
         torch.set_default_dtype(default)
+    if getattr(built.config, "tie_word_embeddings", False):  # init_empty_weights re-registers (unties) lm_head.weight
+        built.lm_head.weight = built.model.embed_tokens.weight
     act_fp8 = quantization == "w8a8"
     if quantization:
         use_fp8(built, act_fp8, only=fp8_checkpoint_modules(built, path) if path is not None else None)

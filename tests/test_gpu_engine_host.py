@@ -278,3 +278,18 @@ def test_moe_graph_replay_pads_to_a_bucket(monkeypatch):
     assert torch.equal(moe(y), -y) and eager == [40]                           # past the largest bucket: eager
     moe.buckets = []
     assert torch.equal(moe(x), -x) and eager == [40, 20]                       # nothing captured (enforce_eager)
+
+
+def test_build_on_device_keeps_tied_embeddings_tied():
+    """accelerate's init_empty_weights re-registers every parameter assignment, which unties lm_head from
+    embed_tokens: build_on_device ties them again (else m06's loader reports lm_head.weight missing for a tied
+    checkpoint, as ./check.sh gpu did on an H100, 2026-12-05)."""
+    import torch
+    from course.grader import select
+    from course.runtime.run import tiny_dummy_config
+    g01 = select.load("g01_gpu_engine")
+    config = tiny_dummy_config(64)
+    assert config.tie_word_embeddings
+    model, _ = g01.build_on_device(config, torch.float32, torch.device("cpu"))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert sum(1 for _ in model.parameters()) == len({id(p) for p in model.parameters()})

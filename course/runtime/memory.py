@@ -38,6 +38,8 @@ def budget_bytes(device: torch.device, cap_gib: float | None = None) -> tuple[in
     """(budget, card): what this engine may use and the card's total. With a cap (argument, else $COURSE_GPU_MEMORY_GIB)
     the process's allocator is limited to it, minus what lies outside the allocator now (CUDA context, other processes),
     so that everything the card holds for this process stays within the cap."""
+    if device.index is None:                   # set_per_process_memory_fraction needs an index
+        device = torch.device("cuda", torch.cuda.current_device())
     free, card = torch.cuda.mem_get_info(device)
     if cap_gib is None and os.environ.get(ENV_CAP):
         cap_gib = float(os.environ[ENV_CAP])
