@@ -206,12 +206,14 @@ def refuse(plan: MemoryPlan, what: str, need: int, max_model_len: int, max_num_s
         seqs = int(spare // row) - 1
         if seqs >= 1 and seqs < max_num_seqs:
             hints.append(f"max_num_seqs 降到 {seqs}（--max-num-seqs {seqs}：GDN 状态池每行 {row / MIB:.0f} MiB）")
-    hints.append("FP8 权重（--dtype w8a8 或 fp8：专家与线性层的字节减半）")
+    if not any("float8" in dtype for _, dtype in plan.weights.values()):
+        hints.append("FP8 权重（--dtype w8a8 或 fp8：专家与线性层的字节减半）")
     hints.append(f"更短的 max_model_len（现在 {max_model_len}）")
     hints.append("更大的卡或更大的 --gpu-memory-gib / gpu_memory_utilization")
     raise MemoryPlanError(
         f"显存放不下（{stage}）：预算 {plan.budget / GIB:.1f} GiB × gpu_memory_utilization {plan.utilization} "
         f"− allocator 之外 {plan.outside / GIB:.1f} GiB = {have / GIB:.1f} GiB；权重 {plan.weight_total / GIB:.1f} GiB、"
-        f"GDN 状态池 {plan.gdn_pool / GIB:.1f} GiB（{plan.gdn_rows} 行）、状态快照 {plan.snapshots / GIB:.1f} GiB、"
-        f"激活 {plan.activations / GIB:.1f} GiB、CUDA graph {plan.graphs / GIB:.1f} GiB 之后，{what}还需要 "
+        + (f"GDN 状态池 {plan.gdn_pool / GIB:.1f} GiB（{plan.gdn_rows} 行）、" if plan.gdn_rows else "")
+        + (f"状态快照 {plan.snapshots / GIB:.1f} GiB、" if plan.snapshots else "")
+        + f"激活 {plan.activations / GIB:.1f} GiB、CUDA graph {plan.graphs / GIB:.1f} GiB 之后，{what}还需要 "
         f"{need / GIB:.2f} GiB，不够。可以改的设置：" + "；".join(hints) + "。")
