@@ -8,8 +8,9 @@
   after the timed run, or is refused at start (exit 3, MemoryPlanError's paragraph): never an OOM traceback. Three
   cells must run (the issue's minimum). COURSE_MATRIX_OUT=DIR keeps each cell's output and JSON.
 
-Every test here needs CUDA and skips without it (CI has no GPU). Run on a GPU:
-    python3 -m pytest tests/test_gpu_memory.py -v -s
+Every test here needs CUDA and skips without it (CI has no GPU). Run on a GPU, then make the table the book renders:
+    COURSE_MATRIX_OUT=DIR python3 -m pytest tests/test_gpu_memory.py -v -s
+    python -m course.bench.memory_matrix DIR --json results/<date>/memory-<card>/matrix.json
 """
 
 from __future__ import annotations
