@@ -30,6 +30,8 @@ M_MAX_TOKENS = "max_tokens 差一：第 max_tokens 个 completion token 追加�
 M_NO_SLOT = "decode 的新 token 进入新块时没有 can_append → may_append（块不够就抢占）"
 M_NOT_ADVANCED = "postprocess 没有把 num_cached_tokens 推进 num_scheduled_tokens：下一块又从旧位置开始"
 M_CHUNK_OFF = "关闭 chunked prefill 时仍按剩余预算切块：整段放不下就该等下一步"
+M_CHUNK_OFF_PROMPT = ("关掉 chunked prefill 时，被抢占过的序列重新接纳时被切成了块：预算按 prompt 长度（num_prompt_tokens）"
+                      "而不是 num_tokens（prompt + 已生成）算了")
 M_REJECT = "add 只看了 prompt：请求最长会长到 min(prompt + max_tokens, max_model_len)，KV 池放不下就该拒绝"
 M_CEIL = "add 的块数没有向上取整：最长 L 个 token 要 ceil(L / block_size) = (L + block_size - 1) // block_size 块"
 M_SKIP_BREAK = ("以为没算完的 prefill 总在最后：遇到它就 break 了，排在它后面的序列没有处理"
@@ -78,6 +80,9 @@ class Harness:
         self.num_steps = 0
         self.free_after_schedule = num_blocks
         self.preempted: list[str] = []        # names, in the order the harness saw them preempted
+        # chunked prefill off: a waiting head whose prompt alone exceeded the budget left waited although seats and
+        # blocks were free, so the scheduler does compare the budget with the whole prompt (it is not simply chunking)
+        self.prompt_waited = False
 
     def name(self, seq) -> str:
         return self.names.get(seq.seq_id, f"seq{seq.seq_id}")
@@ -185,8 +190,17 @@ class Harness:
                 fail(f"{self.name(q)} 要算到位置 {start + n - 1}，但 block_table 只有 {len(q.block_table)} 个块"
                      f"（block_size={self.bs}）：这个位置没有 KV 槽位", M_NO_SLOT, r)
             if not cfg.enable_chunked_prefill and start + n < q.num_tokens:
-                fail(f"enable_chunked_prefill=False，但 {self.name(q)} 只算了 {n}/{q.num_tokens - start} 个待算 token",
-                     M_CHUNK_OFF, r)
+                generated = q.num_tokens - q.num_prompt_tokens
+                if q not in waiting or not generated:
+                    fail(f"enable_chunked_prefill=False，但 {self.name(q)} 只算了 {n}/{q.num_tokens - start} 个待算 token",
+                         M_CHUNK_OFF, r)
+                # re-admitted after a preemption: its prompt alone fitting the budget left (the learner compared it with
+                # num_prompt_tokens) tells it from no check at all only once a too-long prompt was seen waiting
+                by_prompt = q.num_prompt_tokens - start <= n and self.prompt_waited
+                fail(f"enable_chunked_prefill=False，但被抢占过的 {self.name(q)} 重新接纳时只算了 {n}/{q.num_tokens - start} 个"
+                     f"待算 token：它要把 prompt {q.num_prompt_tokens} 个 + 已生成 {generated} 个 = {q.num_tokens} 个 token "
+                     f"整段重算，剩余预算 {n} 放不下就该等下一步",
+                     M_CHUNK_OFF_PROMPT if by_prompt else M_CHUNK_OFF if q.num_prompt_tokens - start > n else None, r)
 
         preempted = [q for q in running if q.status != RUNNING]
         if preempted:
@@ -223,6 +237,9 @@ class Harness:
         if waiting and not admitted and not preempted:
             head = waiting[0]
             left = cfg.max_num_batched_tokens - total
+            if (not cfg.enable_chunked_prefill and head.num_prompt_tokens > left and len(s.running) < cfg.max_num_seqs
+                    and self.bm.num_free_blocks >= head.num_blocks):
+                self.prompt_waited = True
             fits = left >= (1 if cfg.enable_chunked_prefill else head.num_tokens)
             if fits and len(running) < cfg.max_num_seqs and free - owed >= head.num_blocks:
                 fail(f"第 {self.num_steps} 步队首 {self.name(head)} 没被接纳，可是预算还剩 {left}、空闲块 {free - owed}"
@@ -394,7 +411,7 @@ def test_chunked_prefill():
     h.check_tokens()
 
 
-@point("关闭 chunked prefill：放不下的 prompt 整段等到预算够的那一步，后来的请求不插队")
+@point("关闭 chunked prefill：放不下的 prompt 整段等到预算够的那一步，后来的请求不插队；被抢占过的按 prompt + 已生成的全部 token 算")
 def test_no_chunking_waits():
     r = Rand()
     budget = r.int(16, 24)
@@ -414,6 +431,36 @@ def test_no_chunking_waits():
     if start_c != 4 or start_d < start_c:
         fail(f"C（{budget - 1} 个 token，预算 {budget}）第 2、3 步放不下（A、B 各占 1），第 4 步 A 已结束才整段放进去；"
              f"D 排在它后面不能先走：C 在第 {start_c} 步、D 在第 {start_d} 步被接纳。各步：{log}", rand=r)
+    h.check_tokens()
+
+    # a preempted sequence is re-admitted whole too: prompt + generated, num_tokens in all, not just its prompt.
+    # A, D, E and P fill the pool (1 + 1 + 1 + k blocks); in step s P's decode opens block k + 1 and P, the newest,
+    # yields itself; E finishes in that step. In step s + 1 A and D decode, which leaves budget - 2 >= P's prompt
+    # but < P's budget - 1 tokens (and its k + 1 blocks are free): P waits. A finishes in step s + 1, so in step
+    # s + 2 only D decodes and P is prefilled again in one piece; it then reaches max_model_len and finishes.
+    bs, k = r.choice([4, 8]), r.int(2, 3)
+    budget = k * bs + 2                                     # = max_model_len
+    p = r.int(budget - bs + 1, budget - 3)                 # P's prompt: k blocks; fits next to A, D, E, and next to 2 decodes
+    s = budget - p                                          # P has budget - 1 tokens in step s, 3 <= s < bs
+    first = h
+    h = Harness(r, block_size=bs, num_blocks=k + 3, prefix_caching=False, max_num_seqs=4,
+                max_num_batched_tokens=budget, max_model_len=budget, enable_chunked_prefill=False)
+    h.prompt_waited = first.prompt_waited                  # the case above: a too-long prompt waited, no blind chunking
+    h.add("A", _tokens(r, 1), max_tokens=s + 1, ignore_eos=True)
+    h.add("D", _tokens(r, 1), max_tokens=s + 3, ignore_eos=True)
+    h.add("E", _tokens(r, 1), max_tokens=s, ignore_eos=True)
+    h.add("P", _tokens(r, p), max_tokens=budget, ignore_eos=True)
+    got = []
+    while not h.sched.is_finished() and h.num_steps < s + 8:
+        batch, _ = h.step()
+        got += [(h.num_steps, start, n) for name, start, n in batch if name == "P"]
+    want = [(1, 0, p)] + [(i, p + i - 2, 1) for i in range(2, s)] + [(s + 2, 0, budget - 1)]
+    if got != want or h.preempted != ["P"]:
+        fail(f"关闭 chunked prefill，预算 = max_model_len = {budget}，block_size {bs}：P（prompt {p} 个）第 {s} 步有 "
+             f"{budget - 1} 个 token（已生成 {budget - 1 - p} 个），decode 要开新块而池子已满，它是最新的、让出自己；"
+             f"第 {s + 1} 步 A、D 两个 decode 之后只剩 {budget - 2} 个预算，放得下它的 prompt、放不下它的 {budget - 1} 个 "
+             f"token，它整段等待；第 {s + 2} 步 A 已结束，{budget - 1} 个 token 整段重新 prefill。P 的 (步, 起始位置, token 数) "
+             f"应为 {want}，得到 {got}；被抢占的应为 ['P']，得到 {h.preempted}", rand=r)
     h.check_tokens()
 
 
