@@ -26,38 +26,29 @@ from pathlib import Path
 import pytest
 import torch
 
+from checks import hf_models
+from course.bench.memory_matrix import CAPS, MODELS
+
 ROOT = Path(__file__).resolve().parent.parent
 CUDA = torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(not CUDA, reason="需要 NVIDIA GPU（CUDA）")
 GIB = 2 ** 30
 FP8 = torch.float8_e4m3fn
-SKIPPED = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight", "shared_expert_gate", "conv1d")   # stay bf16
 
 
 def _checkpoint_shapes(config) -> dict[str, tuple[int, ...]]:
-    """The on-disk keys (per-expert layout) and shapes of an HF model built on the meta device."""
+    """The on-disk keys (per-expert layout, hf_models.per_expert_state_dict) and shapes of an HF model built on the
+    meta device (no bytes)."""
     from transformers import AutoModelForCausalLM
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config)
-    shapes = {}
-    for key, t in hf.state_dict().items():
-        if key.endswith(".experts.gate_up_proj"):
-            e, two_i, h = t.shape
-            for i in range(e):
-                shapes[f"{key[:-len('gate_up_proj')]}{i}.gate_proj.weight"] = (two_i // 2, h)
-                shapes[f"{key[:-len('gate_up_proj')]}{i}.up_proj.weight"] = (two_i // 2, h)
-        elif key.endswith(".experts.down_proj"):
-            e, h, i_ = t.shape
-            for i in range(e):
-                shapes[f"{key[:-len('down_proj')]}{i}.down_proj.weight"] = (h, i_)
-        else:
-            shapes[key] = tuple(t.shape)
-    return shapes
+    return {k: tuple(t.shape) for k, t in hf_models.per_expert_state_dict(hf.state_dict()).items()}
 
 
 def write_fp8_checkpoint(config, folder: Path, shards: int = 4) -> None:
-    """A Qwen3-*-FP8-style folder: every 2-D weight but SKIPPED as float8_e4m3fn (random finite bytes) with an fp32
-    weight_scale_inv per 128 x 128 block; the rest bf16. Values are irrelevant here: only the bytes' sizes matter."""
+    """A Qwen3-*-FP8-style folder: every 2-D weight but hf_models.FP8_SKIPPED as float8_e4m3fn (random finite bytes)
+    with an fp32 weight_scale_inv per 128 x 128 block; the rest bf16. Values are irrelevant here: only the bytes'
+    sizes matter."""
     from safetensors.torch import save_file
     folder.mkdir(parents=True, exist_ok=True)
     config.quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -68,7 +59,7 @@ def write_fp8_checkpoint(config, folder: Path, shards: int = 4) -> None:
     for s in range(shards):
         part = {}
         for key, shape in keys[s::shards]:
-            if len(shape) == 2 and not any(k in key for k in SKIPPED):
+            if len(shape) == 2 and not any(k in key for k in hf_models.FP8_SKIPPED):
                 part[key] = torch.randint(0, 0x7E, shape, dtype=torch.uint8, generator=gen).view(FP8)
                 part[key + "_scale_inv"] = torch.full((-(-shape[0] // 128), -(-shape[1] // 128)), 1e-3)
             else:
@@ -77,7 +68,6 @@ def write_fp8_checkpoint(config, folder: Path, shards: int = 4) -> None:
 
 
 def _g01():
-    sys.path.insert(0, str(ROOT))
     from course.grader import select
     return select.load("g01_gpu_engine")
 
@@ -123,12 +113,10 @@ def test_fp8_checkpoint_loads_without_a_bf16_copy():
     assert old_peak > bound, "the bound does not tell the two paths apart"
 
 
-# (cap GiB, model, dtype, must it run?) - the issue's matrix; the three cells the issue requires to run are marked
-MATRIX = [(cap, model, dtype, (cap, model, dtype) in {(24, "qwen3-0.6b", "bf16"), (48, "qwen3-30b-a3b", "w8a8"),
-                                                       (80, "qwen3.5-35b-a3b", "w8a8")})
-          for cap in (24, 48, 80)
-          for model, dtype in (("qwen3-0.6b", "bf16"), ("qwen3-30b-a3b", "bf16"), ("qwen3-30b-a3b", "w8a8"),
-                               ("qwen3.5-35b-a3b", "w8a8"))]
+# (cap GiB, model, dtype, must it run?) - the issue's matrix (memory_matrix's order); the three cells the issue
+# requires to run are marked
+MUST_RUN = {(24, "qwen3-0.6b", "bf16"), (48, "qwen3-30b-a3b", "w8a8"), (80, "qwen3.5-35b-a3b", "w8a8")}
+MATRIX = [(cap, model, dtype, (cap, model, dtype) in MUST_RUN) for cap in CAPS for model, dtype in MODELS]
 
 
 @pytest.mark.parametrize("cap,model,dtype,must_run", MATRIX,
