@@ -66,6 +66,14 @@ def test_every_listed_mistake_has_a_plant():
         assert len(plants) >= len(bullets), f"{ex.id}: {len(bullets)} 易错点 but only {len(plants)} plants"
 
 
+def test_plant_ids_are_unique_per_exercise():
+    # the selftest grades each plant under its id: a second plant of the same id would overwrite the first's
+    # planted file and share its grade, so one of them would never be graded
+    for ex in registry.written():
+        ids = [p.id for p in plants_for(ex.module)]
+        assert len(ids) == len(set(ids)), f"{ex.id}: repeated plant ids {sorted({i for i in ids if ids.count(i) > 1})}"
+
+
 def test_written_exercises_have_book_pages():
     for ex in registry.written():
         n = ex.number
