@@ -78,3 +78,40 @@ def test_the_bench_prints_the_bound_beside_the_measured_decode(monkeypatch):
     # bound: K/V 10 * 18 + weights 3 * 1000 = 3180 s against 3000 s of measured decode; with 500 s of prefill
     assert "= 3180.00 s; measured decode 3000.00 s (106% of the bound's speed)" in line, line
     assert "bounded at 0 output tok/s" in line and eng["decode_bound"]["steps"] == 3
+
+
+def test_profile_floors_pair_each_byte_floor_with_the_kernels_that_read_it():
+    from course.bench.profile import _classify, decode_floors
+    # the k05 FP8 kernels have classes of their own (they fell into "torch elementwise / other" before)
+    assert _classify("_gate_up_fp8_kernel") == _classify("_down_fp8_kernel") == "FP8 MoE (k05)"
+    assert _classify("_gate_up_kernel") == "fused MoE (k03)"
+    assert _classify("_fp8_linear_kernel") == "FP8 linear (k05)"
+    assert _classify("_quant_act_kernel") == "activation quantization (k05)"
+    assert _classify("sm90_xmma_gemm_bf16bf16_bf16f32") == "GEMM (cuBLAS)"
+    sizes = dict(kv_per_token=1000, gdn_per_seq=0, dense_weights=4e9, expert_weights=60e9, num_experts=128, top_k=8,
+                 logits_per_seq=2 * 1000 * 2)
+    split = dict(wall_ms=10.0, gpu_busy_ms=8.0, by_class={
+        "attention decode (k02)": dict(count=48, ms=1.0), "GEMM (cuBLAS)": dict(count=96, ms=1.5),
+        "FP8 linear (k05)": dict(count=4, ms=0.5), "FP8 MoE (k05)": dict(count=96, ms=4.0),
+        "activation quantization (k05)": dict(count=100, ms=0.5), "sampling (g01)": dict(count=1, ms=0.5)})
+    f = decode_floors(split, sizes, batch=256, context_tokens=1_000_000, gb_per_s=2000.0)
+    rows = f["rows"]
+    assert "GDN states (read + write)" not in rows                     # no GDN bytes, no GDN kernels: no row
+    kv = rows["K/V cache"]
+    assert kv["bytes"] == 1e9 and kv["floor_ms"] == pytest.approx(0.5) and kv["share"] == pytest.approx(0.5)
+    dense = rows["dense weights + logits write"]
+    assert dense["ms"] == 2.0                                           # cuBLAS and the FP8 linear together
+    assert dense["bytes"] == pytest.approx(4e9 + 256 * 2000)            # + half the logits (the LM head's write)
+    hit = 1 - (1 - 8 / 128) ** 256
+    assert rows["routed experts (expected distinct)"]["bytes"] == pytest.approx(hit * 60e9)
+    assert rows["logits read"]["bytes"] == pytest.approx(256 * 2000)
+    assert f["rest_ms"] == 0.5 and f["host_ms"] == 2.0                  # activation quantization has no floor
+    total = 1e9 + 4e9 + 2 * 256 * 2000 + hit * 60e9
+    assert f["step_floor_ms"] == pytest.approx(total / 2e12 * 1e3)
+    assert f["share_of_wall"] == pytest.approx(f["step_floor_ms"] / 10.0)
+    from rich.console import Console
+    from course.bench.profile import _say_floors
+    console = Console(record=True, width=200)
+    _say_floors(f, console.print)
+    text = console.export_text()
+    assert "FP8 linear (k05)" in text and "50%" in text                  # the K/V row's share

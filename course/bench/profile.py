@@ -21,7 +21,7 @@ import random
 import re
 import time
 
-from .common import build_engine, command_line, machine_info, replay_ms, time_calls, watch_compiles, workload
+from .common import build_engine, command_line, hbm_peak, machine_info, replay_ms, time_calls, watch_compiles, workload
 
 # kernel name -> class (first match wins); everything else is "torch elementwise / other"
 KERNEL_CLASSES = [
@@ -33,9 +33,23 @@ KERNEL_CLASSES = [
     ("qk-norm + RoPE (g01)", r"_qk_norm_rope"),
     ("SiLU·up (g01)", r"_silu_mul"),
     ("fused MoE (k03)", r"_gate_up_kernel|_down_kernel|_count_kernel|_align_kernel"),
+    ("FP8 MoE (k05)", r"_gate_up_fp8_kernel|_down_fp8_kernel"),
+    ("FP8 linear (k05)", r"_fp8_linear_kernel"),
+    ("activation quantization (k05)", r"_quant_act_kernel"),
     ("Gated DeltaNet (k04)", r"_conv_update|_conv_prefill|_conv_state|_chunk_prep|_chunk_state|_decode_rule"),
+    ("gated RMSNorm (g01)", r"_norm_gated"),
     ("sampling (g01)", r"_sample_kernel"),
     ("memcpy / memset", r"[Mm]emcpy|[Mm]emset"),
+]
+# a decode step's byte floors (roofline.step_bytes_by_reader) and the kernel classes that must read those bytes;
+# the logits are written by the LM head (a GEMM) and read by the sampler: half of their bytes each. The classes not
+# named here (norms, RoPE, SiLU, activation quantization, elementwise) move activation-sized bytes: no floor of theirs
+FLOORS = [
+    ("K/V cache", "kv", ["attention decode (k02)"]),
+    ("dense weights + logits write", "dense", ["GEMM (cuBLAS)", "FP8 linear (k05)"]),
+    ("routed experts (expected distinct)", "experts", ["fused MoE (k03)", "FP8 MoE (k05)"]),
+    ("GDN states (read + write)", "gdn", ["Gated DeltaNet (k04)"]),
+    ("logits read", "sampling", ["sampling (g01)"]),
 ]
 SYNC_CALLS = re.compile(r"cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|cudaMemcpy(?!Async)")
 
@@ -85,6 +99,47 @@ def _split(prof, wall_ms: float) -> dict:
                 top_other_kernels=sorted(((k, v[0], v[1]) for k, v in other.items()), key=lambda kv: -kv[2])[:12])
 
 
+def decode_floors(split: dict, sizes: dict, batch: int, context_tokens: int, gb_per_s: float) -> dict:
+    """Each floor of a decode step of `batch` sequences (contexts adding up to `context_tokens`) beside the GPU time
+    of the kernel classes that read those bytes: floor ms = bytes / the copy bandwidth measured in the same run, and
+    the share floor / measured (1.0: those kernels run at copy speed). "rest" is the GPU time of every other class,
+    "host" the wall time the GPU was idle (wall - GPU busy)."""
+    from .roofline import step_bytes_by_reader
+    b = step_bytes_by_reader(sizes, batch, context_tokens)
+    b["dense"] += b["logits"] / 2
+    b["sampling"] = b.pop("logits") / 2
+    rows, named = {}, set()
+    for label, key, classes in FLOORS:
+        ms = sum(split["by_class"].get(c, {}).get("ms", 0.0) for c in classes)
+        named.update(classes)
+        if b[key] == 0 and ms == 0:
+            continue                                    # e.g. no GDN in a Qwen3, no experts in a dense model
+        floor = b[key] / (gb_per_s * 1e9) * 1e3
+        rows[label] = dict(bytes=b[key], floor_ms=floor, ms=ms, share=floor / ms if ms else None, classes=classes)
+    rest = sum(v["ms"] for c, v in split["by_class"].items() if c not in named)
+    floor = sum(b.values()) / (gb_per_s * 1e9) * 1e3
+    return dict(gb_per_s=gb_per_s, batch=batch, context_tokens=context_tokens, rows=rows, rest_ms=rest,
+                host_ms=max(split["wall_ms"] - split["gpu_busy_ms"], 0.0), step_floor_ms=floor,
+                share_of_busy=floor / max(split["gpu_busy_ms"], 1e-9), share_of_wall=floor / max(split["wall_ms"], 1e-9))
+
+
+def _say_floors(f: dict, say) -> None:
+    from rich.table import Table
+    table = Table(title=f"decode step at batch {f['batch']}, {f['context_tokens']} context tokens: each byte floor "
+                        f"at the copy bandwidth measured now ({f['gb_per_s']:.0f} GB/s) beside the kernels that read it")
+    for col in ("bytes", "GB", "floor ms", "kernels ms", "floor / kernels", "kernel classes"):
+        table.add_column(col)
+    for label, r in f["rows"].items():
+        share = "—" if r["share"] is None else f"{r['share']:.0%}"
+        table.add_row(label, f"{r['bytes'] / 1e9:.3f}", f"{r['floor_ms']:.3f}", f"{r['ms']:.3f}", share,
+                      ", ".join(r["classes"]))
+    table.add_row("every other kernel (no byte floor)", "", "", f"{f['rest_ms']:.3f}", "", "")
+    table.add_row("host (wall - GPU busy)", "", "", f"{f['host_ms']:.3f}", "", "")
+    say(table)
+    say(f"the step's byte floor {f['step_floor_ms']:.3f} ms = {f['share_of_busy']:.0%} of its GPU busy time, "
+        f"{f['share_of_wall']:.0%} of its wall time (profiled step)")
+
+
 def _timed_step(llm) -> tuple[float, bool]:
     import torch
     torch.cuda.synchronize()
@@ -127,7 +182,12 @@ def _say_split(title: str, split: dict, plain_ms: list[float], say) -> None:
 def profile_steps(args, say) -> int:
     """`./check.sh bench --profile [options]` (args parsed by cli.py, the same options as the throughput run)."""
     prompts, out_lens = workload(args.num_seqs, args.max_input_len, args.max_output_len)
+    gb_per_s = hbm_peak()                        # before the engine takes the card: the floors' bandwidth
+    say(f"copy bandwidth (2 GiB device-to-device, median): {gb_per_s:.0f} GB/s")
     llm, SamplingParams, _ = build_engine(args, prompts)
+    from .roofline import engine_bytes
+    runner = getattr(llm.runner, "inner", llm.runner)
+    sizes = engine_bytes(llm.model, runner)
     for p, n in zip(prompts, out_lens):
         llm.add_request(p, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n))
     report = {}
@@ -138,7 +198,6 @@ def profile_steps(args, say) -> int:
             say("[yellow]the second step was already a decode step: the workload has under two prefill steps[/]")
         report["prefill"] = _split(prof, wall)
         decode_plain = []
-        runner = getattr(llm.runner, "inner", llm.runner)
         host, restore = time_calls({"schedule": (llm.scheduler, "schedule"), "run": (llm.runner, "run"),
                                      "prefill forward launch": (runner, "_run_prefill"),
                                      "postprocess": (llm.scheduler, "postprocess")})
@@ -163,10 +222,13 @@ def profile_steps(args, say) -> int:
                 if len(decode_plain) >= 3:
                     break
         batch = len(llm.scheduler.running)
+        context = sum(seq.num_tokens for seq in llm.scheduler.running)     # each one's whole context is read
         prof, wall = _profiled(llm.step)
         report["decode"] = _split(prof, wall)
         report["decode"]["batch"] = batch
         _say_split(f"decode step, batch {batch} (CUDA graph)", report["decode"], decode_plain, say)
+        report["decode"]["floors"] = decode_floors(report["decode"], sizes, batch, context, gb_per_s)
+        _say_floors(report["decode"]["floors"], say)
         if runner.graphs:
             one = min(runner.graphs)
             context = sum(map(len, prompts)) // len(prompts)
@@ -175,6 +237,9 @@ def profile_steps(args, say) -> int:
             report["decode_graph_b1"] = _split(prof, wall)
             _say_split(f"one CUDA-graph replay at batch {one}, context {context} (the GPU floor of a small-batch step)",
                        report["decode_graph_b1"], [], say)
+            report["decode_graph_b1"]["floors"] = decode_floors(report["decode_graph_b1"], sizes, one, one * context,
+                                                                gb_per_s)
+            _say_floors(report["decode_graph_b1"]["floors"], say)
         # a mixed step: a new 110-token request joins the running decodes (a chat's next turn with its prefix
         # cached). Any prefill sends the whole batch down the eager path: this is what such a step costs
         while llm.has_unfinished() and len(llm.scheduler.running) >= args.max_num_seqs:

@@ -38,13 +38,20 @@ def engine_bytes(model, runner) -> dict:
                 logits_per_seq=2 * cfg.vocab_size * embed.element_size())
 
 
-def step_bytes(sizes: dict, batch: int, context_tokens: int) -> dict:
-    """Bytes by kind of one decode step of `batch` sequences whose contexts add up to `context_tokens`."""
+def step_bytes_by_reader(sizes: dict, batch: int, context_tokens: int) -> dict:
+    """step_bytes with the weights split by the kernels that read them (the profile's floors, course/bench/profile.py):
+    dense (every non-expert parameter: the GEMMs) and experts (the MoE kernels)."""
     E, k = sizes["num_experts"], sizes["top_k"]
     hit = 1 - (1 - k / E) ** batch if E else 0.0                  # expected share of the experts read
-    return dict(kv=float(context_tokens) * sizes["kv_per_token"],
-                weights=sizes["dense_weights"] + hit * sizes["expert_weights"],
-                gdn=batch * sizes["gdn_per_seq"], logits=batch * sizes["logits_per_seq"])
+    return dict(kv=float(context_tokens) * sizes["kv_per_token"], dense=float(sizes["dense_weights"]),
+                experts=hit * sizes["expert_weights"], gdn=batch * sizes["gdn_per_seq"],
+                logits=batch * sizes["logits_per_seq"])
+
+
+def step_bytes(sizes: dict, batch: int, context_tokens: int) -> dict:
+    """Bytes by kind of one decode step of `batch` sequences whose contexts add up to `context_tokens`."""
+    b = step_bytes_by_reader(sizes, batch, context_tokens)
+    return dict(kv=b["kv"], weights=b["dense"] + b["experts"], gdn=b["gdn"], logits=b["logits"])
 
 
 def decode_steps(sizes: dict, prompt_lens: list[int], out_lens: list[int]) -> list[tuple[int, dict]]:
