@@ -117,6 +117,35 @@ def test_run_rejects_unknown_arguments():
     assert out.returncode == 2 and "不认识的参数 --bogus" in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_run_and_serve_device_options_say_what_is_wrong(command):
+    # in-process: each refusal happens after argument parsing, before an engine module is loaded
+    import importlib
+    main = importlib.import_module(f"course.runtime.{command}").main
+    said = []
+
+    def say(*args, **kwargs):
+        said.append(str(args[0]) if args else "")
+    assert main(["--gpu-memory-gib", "8"], say) == 2                              # a cap for the CPU engine
+    assert "--gpu-memory-gib N 只用于 GPU 引擎：请同时加 --device cuda" in said[-1], said
+    assert main(["--device", "cuda", "--gpu-memory-gib", "0"], say) == 2
+    assert "N 要是正数" in said[-1], said
+    import torch
+    if not torch.cuda.is_available():
+        assert main(["--device", "cuda"], say) == 2 and "--device cuda 需要 NVIDIA GPU" in said[-1], said
+
+
+def test_a_refused_memory_plan_is_one_red_paragraph_and_no_engine():
+    from course.runtime import device
+    from course.runtime.memory import MemoryPlanError
+    said = []
+
+    def refuse():
+        raise MemoryPlanError("显存放不下：权重 29.0 GiB > 预算 24.0 GiB")
+    assert device.build(refuse, lambda *a, **k: said.append(a[0])) is None
+    assert said == ["[red]显存放不下：权重 29.0 GiB > 预算 24.0 GiB[/]"]
+
+
 def test_run_generates_offline_and_names_the_files(state_dir):
     out = cli("run", "--prompt", "你好", "--max-tokens", "5", env_extra=state_dir)
     assert out.returncode == 0, out.stdout + out.stderr

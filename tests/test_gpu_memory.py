@@ -3,6 +3,9 @@
 - Load peak: a block-FP8 checkpoint at Qwen3-30B-A3B's real widths (4 layers) loads with a peak of at most the FP8
   model's bytes + its largest model-dtype tensor + 1 GiB (build_on_device never holds a bf16 copy of an FP8 weight);
   the old path (bf16 model, then use_fp8) on the same shapes peaks above that bound, so the bound can fail.
+- run and serve on the GPU: `./check.sh run --device cuda --gpu-memory-gib N` (dense and hybrid tiny models) and
+  `./check.sh serve --device cuda --gpu-memory-gib N` print the plan at start-up under the cap and answer; a cap the
+  tiny model cannot fit is refused at start (exit 3), never an OOM traceback.
 - The matrix: `./check.sh bench` on four models under --gpu-memory-gib 24 / 48 / 80. Every cell either runs the
   workload to the end, with the plan's "left" within 2 % of the card of the free memory measured after warm-up and
   after the timed run, or is refused at start (exit 3, MemoryPlanError's paragraph): never an OOM traceback. Three
@@ -154,3 +157,62 @@ def test_bench_runs_or_refuses_at_start(cap, model, dtype, must_run):
         assert summary["left_error_of_card"] <= 0.02, f"{name}: plan's left vs measured free: {plan}"
     else:
         assert summary["refused"] and "显存放不下" in summary["refused"], text[-3000:]
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-hybrid"])
+def test_run_on_the_gpu_prints_its_plan_under_the_cap(model, tmp_path):
+    cmd = [sys.executable, "-m", "course", "run", "--model", model, "--device", "cuda", "--gpu-memory-gib", "6",
+           "--max-tokens", "8"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "COURSE_STATE_DIR": str(tmp_path), "COLUMNS": "200"})
+    text = proc.stdout + proc.stderr
+    print(text[-3000:])
+    assert proc.returncode == 0, text[-3000:]
+    assert "显存计划：预算 6.0 GiB（--gpu-memory-gib 限制" in text and "KV cache" in text, text[-3000:]
+    assert "solutions/g01_gpu_engine.py" in text and "8 tokens" in text, text[-3000:]
+
+
+def test_run_refuses_a_cap_too_small_at_start(tmp_path):
+    cmd = [sys.executable, "-m", "course", "run", "--device", "cuda", "--gpu-memory-gib", "0.01", "--max-tokens", "4"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "COURSE_STATE_DIR": str(tmp_path), "COLUMNS": "200"})
+    text = proc.stdout + proc.stderr
+    print(text[-3000:])
+    assert "Traceback" not in text and proc.returncode == 3, text[-3000:]
+    assert "显存放不下" in text, text[-3000:]
+
+
+def test_serve_on_the_gpu_prints_its_plan_and_answers(tmp_path):
+    import socket
+    import urllib.request
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "course", "serve", "--device", "cuda", "--gpu-memory-gib", "6",
+                                 "--port", str(port)], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "COURSE_STATE_DIR": str(tmp_path), "COLUMNS": "200",
+                                     "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 300
+        while True:                                   # up once /health answers
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+                break
+            except OSError:
+                time.sleep(0.5)
+        from course.runtime.serve import DUMMY_NAME
+        body = json.dumps({"model": DUMMY_NAME, "prompt": "你好", "max_tokens": 6}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+        answer = json.loads(urllib.request.urlopen(req, timeout=120).read())
+        assert answer["usage"]["completion_tokens"] == 6, answer
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    text = log.read_text()
+    print(text[-3000:])
+    assert "显存计划：预算 6.0 GiB（--gpu-memory-gib 限制" in text and "solutions/g01_gpu_engine.py" in text, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]

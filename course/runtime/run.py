@@ -4,6 +4,7 @@
     ./check.sh run --model tiny-hybrid               a tiny dummy Qwen3.5-MoE (Gated DeltaNet + gated attention, MoE):
                                                      a second chat turn resumes from the first one's GDN snapshot (e07)
     ./check.sh run --model DIR --prompt "你好"        a real HF folder: weights, tokenizer and chat template
+    ./check.sh run --device cuda [--gpu-memory-gib N] g01's GPU engine, its memory plan printed (course/runtime/device.py)
 
 Afterwards it says which of the engine's exercises the model ran (a function of the exercise's file was called:
 ExerciseTrace) and, for every one it did not, what it needs and the command that runs it.
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 from ..grader import registry, select, state
+from . import device
 
 ENGINE_MODULES = ["m01", "m02", "m03", "m04", "m05", "m06", "e01", "e02", "e03", "e04", "e05", "e07"]
 GPU_MODULES = ["k01", "k02", "k03", "k04", "k05", "g01"]
@@ -151,20 +153,26 @@ def main(argv: list[str], say) -> int:
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-chat", action="store_true", help="send the prompt as is, without the chat template")
+    device.add_options(parser)
     args = parser.parse_args(argv)
     dummy = args.model in DUMMY_MODELS
     if not dummy and not Path(args.model).is_dir():
         say(f"[red]没有这个模型目录：{args.model}。离线的 dummy 模型：{'、'.join(DUMMY_MODELS)}[/]")
         return 2
+    problem = device.check_options(args, "run")
+    if problem:
+        say(problem, style="red", markup=False)
+        return 2
 
-    selection, report = auto_selection()
+    selection, report = auto_selection(gpu=args.device == "cuda")
     select.use(selection)
     say("[bold]引擎由这些文件组装[/]（已通过的练习用你的文件，其余用参考实现；这个模型用到了哪些，生成之后再说）：")
     for ex_id, path in report:
         say(f"  {ex_id}  {path}")
 
     import torch
-    e01, e05 = select.load("e01_sampling"), select.load("e05_engine")
+    e01 = select.load("e01_sampling")
+    LLM, on_device = device.engine(args, select)
     start = time.perf_counter()
     # what imports transformers runs outside the trace: a traced import is several times slower
     if dummy:
@@ -178,11 +186,19 @@ def main(argv: list[str], say) -> int:
     with ExerciseTrace(files) as ran:
         if dummy:
             torch.manual_seed(args.seed)
-            llm = e05.LLM(config, tokenizer=tokenizer, seed=args.seed, enable_prefix_caching=True)
+            llm = device.build(lambda: LLM(config, tokenizer=tokenizer, seed=args.seed, enable_prefix_caching=True,
+                                           **on_device), say)
+            if llm is None:
+                return device.REFUSED
             say(f"模型：{what}，随机 dummy 权重，字节级 tokenizer——输出是随机文本，只用来验证引擎能跑通。"
                 "用 --model DIR 加载真实的 HF 模型目录。")
         else:
-            llm = e05.LLM(args.model, max_model_len=4096, num_kvcache_blocks=512, enable_prefix_caching=True)
+            # on the GPU the memory plan sizes the KV cache from the card (or --gpu-memory-gib)
+            blocks = {} if args.device == "cuda" else {"num_kvcache_blocks": 512}
+            llm = device.build(lambda: LLM(args.model, max_model_len=4096, enable_prefix_caching=True, **blocks,
+                                           **on_device), say)
+            if llm is None:
+                return device.REFUSED
             if llm.tokenizer is None:
                 say("[red]--model 目录里没有 tokenizer，无法处理文本 prompt[/]")
                 return 2

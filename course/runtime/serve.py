@@ -4,6 +4,7 @@
     ./check.sh serve --model DIR --port 8001          a real HF folder: weights, tokenizer and chat template
     ./check.sh serve --host 0.0.0.0 --api-key KEY     reachable from the network: clients send "Authorization: Bearer KEY"
     ./check.sh serve --allowed-host my.box            also answer requests whose Host header is my.box
+    ./check.sh serve --device cuda [--gpu-memory-gib N]  g01's GPU engine, its memory plan printed at start-up
 
 There is no authentication unless --api-key is given: anyone who can reach the port can spend the machine's compute.
 Only the Host names localhost, 127.0.0.1 and [::1] are served (against DNS rebinding), plus the --host it binds
@@ -28,6 +29,7 @@ import time
 from pathlib import Path
 
 from ..grader import registry, select, state
+from . import device
 from .run import auto_selection, tiny_dummy_config
 
 PACKAGES = ("fastapi", "uvicorn")
@@ -94,20 +96,22 @@ def missing_packages(names=PACKAGES) -> list[str]:
     return [n for n in names if importlib.util.find_spec(n) is None]
 
 
-def serving_selection() -> tuple[dict[str, str], list[tuple[str, str]]]:
-    """auto_selection() plus e06: the learner's server once e06 has passed."""
-    selection, report = auto_selection()
+def serving_selection(gpu: bool = False) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """auto_selection(gpu) plus e06: the learner's server once e06 has passed."""
+    selection, report = auto_selection(gpu)
     ex = registry.get("e06")
     folder = "mine" if ex.id in state.passed_ids(registry.CATALOGUE) else "solutions"
     selection[ex.module] = folder
     return selection, report + [(ex.id, f"{folder}/{ex.module}.py")]
 
 
-def dummy_llm(e05, seed: int = 0, **engine_kwargs):
-    """The offline tiny Qwen3 with dummy weights and the byte tokenizer (random text, fast on a CPU)."""
+def dummy_llm(engine, seed: int = 0, **engine_kwargs):
+    """The offline tiny Qwen3 with dummy weights and the byte tokenizer (random text, fast on a CPU). engine: e05's
+    module, or an LLM class (g01's on the GPU)."""
     from .tiny_tokenizer import byte_tokenizer
     tokenizer = byte_tokenizer()
-    return e05.LLM(tiny_dummy_config(len(tokenizer)), tokenizer=tokenizer, seed=seed, **engine_kwargs)
+    LLM = getattr(engine, "LLM", engine)
+    return LLM(tiny_dummy_config(len(tokenizer)), tokenizer=tokenizer, seed=seed, **engine_kwargs)
 
 
 def guarded_server(app, host: str, port: int, limit: int | None = None, body_timeout: float = BODY_TIMEOUT_S, **config):
@@ -231,25 +235,35 @@ def main(argv: list[str], say) -> int:
     parser.add_argument("--api-key", help="require 'Authorization: Bearer API_KEY' on every /v1 request (401 otherwise)")
     parser.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
                         help="also serve requests whose Host header is NAME (repeatable; loopback names always)")
+    device.add_options(parser)
     args = parser.parse_args(argv)
     missing = missing_packages()
     if missing:
         say(f"[red]./check.sh serve 需要 {', '.join(missing)}：pip install fastapi uvicorn（已写在 pyproject.toml 里）[/]")
         return 2
+    problem = device.check_options(args, "serve")
+    if problem:
+        say(problem, style="red", markup=False)
+        return 2
 
-    selection, report = serving_selection()
+    selection, report = serving_selection(gpu=args.device == "cuda")
     select.use(selection)
     say("[bold]服务由这些文件组装[/]（已通过的练习用你的文件，其余用参考实现）：")
     for ex_id, path in report:
         say(f"  {ex_id}  {path}")
-    e05, e06 = select.load("e05_engine"), select.load("e06_serving")
+    e06 = select.load("e06_serving")
+    LLM, on_device = device.engine(args, select)
+    blocks = {} if args.device == "cuda" else {"num_kvcache_blocks": 1024}   # on the GPU the memory plan sizes it
     if args.model:
-        llm = e05.LLM(args.model, max_model_len=model_max_len(args.model, args.max_model_len), num_kvcache_blocks=1024)
+        llm = device.build(lambda: LLM(args.model, max_model_len=model_max_len(args.model, args.max_model_len),
+                                       **blocks, **on_device), say)
         name = args.model
     else:
-        llm = dummy_llm(e05, max_model_len=min(args.max_model_len, 1024))
+        llm = device.build(lambda: dummy_llm(LLM, max_model_len=min(args.max_model_len, 1024), **on_device), say)
         name = DUMMY_NAME
         say("模型：离线的迷你 Qwen3（随机 dummy 权重，字节级 tokenizer）——输出是随机文本，只用来验证服务能跑通。")
+    if llm is None:
+        return device.REFUSED
     engine = e06.AsyncEngine(llm, max_pending=args.max_pending).start()
     app = e06.build_app(engine, name, api_key=args.api_key, allowed_hosts=allowed_hosts(args.host, args.allowed_host))
     if not is_loopback(args.host):
