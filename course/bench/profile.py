@@ -222,12 +222,12 @@ def profile_steps(args, say) -> int:
                 if len(decode_plain) >= 3:
                     break
         batch = len(llm.scheduler.running)
-        context = sum(seq.num_tokens for seq in llm.scheduler.running)     # each one's whole context is read
+        context_tokens = sum(seq.num_tokens for seq in llm.scheduler.running)     # each one's whole context is read
         prof, wall = _profiled(llm.step)
         report["decode"] = _split(prof, wall)
         report["decode"]["batch"] = batch
         _say_split(f"decode step, batch {batch} (CUDA graph)", report["decode"], decode_plain, say)
-        report["decode"]["floors"] = decode_floors(report["decode"], sizes, batch, context, gb_per_s)
+        report["decode"]["floors"] = decode_floors(report["decode"], sizes, batch, context_tokens, gb_per_s)
         _say_floors(report["decode"]["floors"], say)
         if runner.graphs:
             one = min(runner.graphs)

@@ -53,7 +53,7 @@ def budget_bytes(device: torch.device, cap_gib: float | None = None) -> tuple[in
         raise MemoryPlanError(f"显存放不下（加载权重之前）：--gpu-memory-gib {cap_gib:g} 即 {cap / GIB:.2f} GiB，"
                               f"而 allocator 之外（CUDA context、其他进程）已占 {outside / GIB:.2f} GiB，引擎一个字节也分不到。"
                               f"可以改的设置：更大的 --gpu-memory-gib。")
-    torch.cuda.set_per_process_memory_fraction(max(cap - outside, 0) / card, device)
+    torch.cuda.set_per_process_memory_fraction((cap - outside) / card, device)
     return cap, card
 
 
