@@ -9,6 +9,8 @@ one JSON line is appended per event, as it happens, so the grader can show progr
 Statuses, the way the learner reads them: passed / todo (未实现: the stub raised NotImplementedError) /
 failed / error / timeout / skipped / notrun (未运行: the time left after a timeout ran out).
 COURSE_CHECK_TIMEOUT and COURSE_DEADLINE set the limits (checks/timeouts.py).
+COURSE_CHECK_FIRST (a check's name) moves that check to the front of the run, the order otherwise kept
+(the selftest runs first the check that caught a planted mistake last time: checks/plants/catchers.json).
 """
 
 from __future__ import annotations
@@ -87,6 +89,12 @@ def pytest_configure(config):
     deadline = os.environ.get("COURSE_DEADLINE")
     _watchdog = Watchdog(float(os.environ.get("COURSE_CHECK_TIMEOUT", CHECK_TIMEOUT_S)),
                          float(deadline) if deadline else None, graded)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    first = os.environ.get("COURSE_CHECK_FIRST")
+    if first:
+        items.sort(key=lambda item: item.name != first)    # stable: the others keep the file's order
 
 
 def pytest_collection_finish(session):

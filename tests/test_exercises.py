@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from checks.plants import plants_for
+from checks.plants import catchers, plants_for, record_catchers
 from course.grader import registry
 from course.grader.forkserver import ForkServer
 from course.grader.grade import run_checks
@@ -43,6 +43,9 @@ def _graded(ex):
         # a plant's grading stops at the first failure that proves it caught (named, when the plant says how):
         # the checks after it would not change the verdict
         stops = {p.id: _caught(p) for p in plants_for(ex.module)}
+        # ... and runs first the check that caught it last time (checks/plants/catchers.json): the order only
+        first = catchers().get(ex.module, {})
+        envs = {key: dict(os.environ, COURSE_CHECK_FIRST=first[key]) for key in jobs if key in first}
         # on a GPU every g01 grading builds models of real width on the one device (~17-21 GiB each): as many at
         # once as there are cores ran the H200 out of memory (2026-12-01, 16 cores); two fit
         workers = 2 if CUDA and ex.needs_gpu else max(1, os.cpu_count() or 1)
@@ -52,13 +55,24 @@ def _graded(ex):
         server = ForkServer(ex.checks) if os.environ.get("COURSE_SELFTEST_FORK", "1") != "0" else None
         try:
             with ThreadPoolExecutor(max_workers=workers) as pool:
-                futures = {key: pool.submit(run_checks, ex, sel, stop_when=stops.get(key),
+                futures = {key: pool.submit(run_checks, ex, sel, env=envs.get(key), stop_when=stops.get(key),
                                             spawn=server.spawn if server else None) for key, sel in jobs.items()}
                 _GRADES[ex.id] = {key: f.result() for key, f in futures.items()} | broken
         finally:
             if server:
                 server.close()
+        if os.environ.get("COURSE_PLANT_CATCHERS_UPDATE") == "1":
+            record_catchers(ex.module, {key: _catcher(grade) for key, grade in _GRADES[ex.id].items()
+                                        if key in stops and _catcher(grade)})
     return _GRADES[ex.id]
+
+
+def _catcher(grade) -> str | None:
+    """The check that settled a planted mistake's grading (the last result before the stop)."""
+    if isinstance(grade, Exception):
+        return None
+    ran = [r for r in grade.results if r["status"] in ("failed", "error", "timeout")]
+    return ran[-1]["name"] if ran else None
 
 
 def _caught(plant):

@@ -3,7 +3,7 @@
 import re
 
 from course.grader import cards, registry
-from checks.plants import plants_for
+from checks.plants import catchers, plants_for
 
 DESIGN_IDS = ["m01", "m02", "m03", "m04", "m05", "m06", "m07", "e01", "e02", "e03", "e04", "e05", "e06",
               "k01", "k02", "k03", "k04", "g01", "e07", "k05"]
@@ -72,6 +72,21 @@ def test_plant_ids_are_unique_per_exercise():
     for ex in registry.written():
         ids = [p.id for p in plants_for(ex.module)]
         assert len(ids) == len(set(ids)), f"{ex.id}: repeated plant ids {sorted({i for i in ids if ids.count(i) > 1})}"
+
+
+def test_every_cpu_plant_names_the_check_that_catches_it_first():
+    # the selftest runs this check first for the plant (checks/plants/catchers.json), so a grading costs one check
+    # rather than the file; a missing or renamed entry would silently cost the whole file again (CI's 45 minutes)
+    table = catchers()
+    for ex in registry.written():
+        defined = set(re.findall(r"^def (test_\w+)", ex.checks.read_text(encoding="utf-8"), re.M))
+        for plant in plants_for(ex.module):
+            if plant.gpu_only:
+                continue
+            name = table.get(ex.module, {}).get(plant.id)
+            assert name, (f"{ex.id}: plant {plant.id} has no entry in checks/plants/catchers.json; regenerate with "
+                          f"COURSE_PLANT_CATCHERS_UPDATE=1 ./check.sh selftest -k {ex.id}")
+            assert name.split("[")[0] in defined, f"{ex.id}: catchers.json names {name}, which {ex.checks.name} no longer defines"
 
 
 def test_written_exercises_have_book_pages():

@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 import importlib
+import json
 from dataclasses import dataclass
+from pathlib import Path
+
+# For each planted mistake, the check that caught it in the last full selftest (module -> plant id -> check
+# name). The selftest runs that check first and stops at the failure that settles the plant, so a grading costs
+# one check, not the file. Only the order depends on it: a stale or missing entry makes a grading slower, never
+# changes its verdict. Rewritten by `COURSE_PLANT_CATCHERS_UPDATE=1 ./check.sh selftest -k planted`.
+CATCHERS = Path(__file__).with_name("catchers.json")
 
 
 @dataclass(frozen=True)
@@ -27,3 +35,17 @@ def plants_for(module: str) -> list[Plant]:
         return list(importlib.import_module(f"checks.plants.{module}").PLANTS)
     except ModuleNotFoundError:
         return []
+
+
+def catchers() -> dict[str, dict[str, str]]:
+    return json.loads(CATCHERS.read_text(encoding="utf-8")) if CATCHERS.exists() else {}
+
+
+def record_catchers(module: str, found: dict[str, str]) -> None:
+    """Merge `found` (plant id -> the check that caught it) into catchers.json, dropping plants that are gone."""
+    table = catchers()
+    known = {p.id for p in plants_for(module)}
+    table[module] = dict(sorted(({**table.get(module, {}), **found}).items()))
+    table[module] = {k: v for k, v in table[module].items() if k in known}
+    CATCHERS.write_text(json.dumps(dict(sorted(table.items())), indent=1, ensure_ascii=False) + "\n",
+                        encoding="utf-8")
