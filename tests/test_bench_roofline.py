@@ -109,6 +109,8 @@ def test_profile_floors_pair_each_byte_floor_with_the_kernels_that_read_it():
     total = 1e9 + 4e9 + 2 * 256 * 2000 + hit * 60e9
     assert f["step_floor_ms"] == pytest.approx(total / 2e12 * 1e3)
     assert f["share_of_wall"] == pytest.approx(f["step_floor_ms"] / 10.0)
+    assert [r["label"] for r in f["table"]][-2:] == ["every other kernel (no byte floor)", "host (wall - GPU busy)"]
+    assert f["table"][0] == dict(label="K/V cache", **kv) and f["table"][-1]["ms"] == 2.0
     from rich.console import Console
     from course.bench.profile import _say_floors
     console = Console(record=True, width=200)

@@ -117,9 +117,14 @@ def decode_floors(split: dict, sizes: dict, batch: int, context_tokens: int, gb_
         floor = b[key] / (gb_per_s * 1e9) * 1e3
         rows[label] = dict(bytes=b[key], floor_ms=floor, ms=ms, share=floor / ms if ms else None, classes=classes)
     rest = sum(v["ms"] for c, v in split["by_class"].items() if c not in named)
+    host = max(split["wall_ms"] - split["gpu_busy_ms"], 0.0)
     floor = sum(b.values()) / (gb_per_s * 1e9) * 1e3
-    return dict(gb_per_s=gb_per_s, batch=batch, context_tokens=context_tokens, rows=rows, rest_ms=rest,
-                host_ms=max(split["wall_ms"] - split["gpu_busy_ms"], 0.0), step_floor_ms=floor,
+    # the same rows as a list, then the time no byte floor accounts for (what the book's table renders)
+    table = [dict(label=label, **r) for label, r in rows.items()]
+    table += [dict(label="every other kernel (no byte floor)", bytes=0, floor_ms=0.0, ms=rest, share=None, classes=[]),
+              dict(label="host (wall - GPU busy)", bytes=0, floor_ms=0.0, ms=host, share=None, classes=[])]
+    return dict(gb_per_s=gb_per_s, batch=batch, context_tokens=context_tokens, rows=rows, table=table, rest_ms=rest,
+                host_ms=host, step_floor_ms=floor,
                 share_of_busy=floor / max(split["gpu_busy_ms"], 1e-9), share_of_wall=floor / max(split["wall_ms"], 1e-9))
 
 
@@ -270,7 +275,8 @@ def profile_steps(args, say) -> int:
             report[part]["top_cpu_ops"] = report[part]["top_cpu_ops"][:10]
     print("PROFILE_JSON " + json.dumps(report), flush=True)
     if args.json:                        # the same, with the command line, the machine and the versions
-        doc = dict(report, command=command_line(getattr(args, "argv", [])), machine=machine_info())
+        doc = dict(report, model=args.model, dtype=getattr(args, "dtype", None),
+                   command=command_line(getattr(args, "argv", [])), machine=machine_info())
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(doc, f, ensure_ascii=False)
     llm.close()
