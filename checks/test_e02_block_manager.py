@@ -14,7 +14,7 @@ import traceback
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
-from checks.kit import Rand, explain_crash, impl, point
+from checks.kit import Rand, explain_crash, impl, point, record_case
 
 MODULE = "e02_block_manager"
 
@@ -42,6 +42,10 @@ OFF_BY_ONE = "may_append 的块边界差一：新块应在新 token 是某块第
 FIRST_BLOCK = "may_append 写满第 0 块时也去取前一块（block_table[-2]）的哈希：第 0 块前面没有块，链式哈希的前缀是 -1"
 BOUNDARY = ("判断“没算完”的边界差一：块 i 覆盖 token [i·bs, (i+1)·bs)，(i+1)·bs == num_cached_tokens 时它刚好算完，"
             "应留作缓存（(i + 1) * block_size > num_cached_tokens 才驱逐，不是 >=）")
+SHARED_NOT_DEDUCTED = ("can_allocate 没有扣除命中别的序列正在用的块：这些块引用计数 > 0、不从 free list 取，不占空闲块"
+                       "（num_free_blocks >= num_blocks - 命中里 ref_count > 0 的块数）")
+PROMPT_ONLY = ("allocate 只给 prompt 分了块：被抢占后重新接纳的序列已经生成了 token，allocate 要给当前全部 token 分块"
+               "（seq.num_blocks，不是按 num_prompt_tokens 算）")
 
 CRASHES = {
     "list index out of range": "下标越界：检查 block_table 的长度与 seq.num_blocks 是否一致",
@@ -298,6 +302,7 @@ def test_allocate_append_free():
     seq.append_token(r.int(0, 999))
     if caller != snapshot or len(seq) != n_prompt + 1:
         _fail(f"Sequence(token_ids) 之后 append_token：调用者的列表从 {snapshot} 变成了 {caller}", r, NO_COPY)
+    record_case("seq:copies-caller-list")
     # a prompt shorter than one block: the decode token that fills block 0 registers it with prefix -1
     bm0, content, live = m.BlockManager(4, bs), {}, []
     short = m.Sequence([r.int(0, 999) for _ in range(r.int(1, bs - 1))])
@@ -311,6 +316,7 @@ def test_allocate_append_free():
                   FIRST_BLOCK if len(short.block_table) == 1 else None)
         _compute(short, len(short), content)
     _check_cache(m, bm0, live, f"短 prompt 在 decode 中写满第 0 块之后（长度 {bs}）", r)
+    record_case("append:fills-block-0-prefix-minus-1")
 
     seq = m.Sequence(caller)
     content, live = {}, []
@@ -324,6 +330,7 @@ def test_allocate_append_free():
             _fail(f"prompt 有 {len(seq)} 个 token，最后一块只有 {len(seq) % bs} 个，却登记了哈希", r, PARTIAL_CACHED)
     _check_accounting(bm, live, "allocate 之后", r)
     _check_cache(m, bm, live, "allocate 之后", r)
+    record_case("alloc:fresh")
 
     for step in range(2 * bs + 1):                     # cross at least two block boundaries
         what = f"第 {step + 1} 次追加后（长度 {len(seq) + 1}，block_size={bs}）"
@@ -333,6 +340,8 @@ def test_allocate_append_free():
         _check_cache(m, bm, live, what, r)
         if len(seq) % bs and bm.blocks[seq.block_table[-1]].hash != -1:
             _fail(f"{what}：最后一块还没满，却已经有了哈希", r, PARTIAL_CACHED)
+    record_case("append:opens-block")                  # 2*bs+1 appends open and fill at least two blocks
+    record_case("append:fills-block-registers")
 
     # a full free list: can_append is False exactly when the next token opens a block. First make sure the
     # last block has room left, so that every run appends into it with no free block
@@ -344,13 +353,16 @@ def test_allocate_append_free():
         if not _grow(m, bm, seq, r.int(0, 999), content, "没有空闲块时向最后一块追加", r):
             _fail(f"没有空闲块，但序列长度 {len(seq)}（block_size={bs}）的新 token 还在最后一块里，can_append 应为 True；"
                   f"{CAN_APPEND}", r)
+    record_case("can_append:no-free-same-block")
     if _grow(m, bm, seq, r.int(0, 999), content, "没有空闲块时开启新块", r):
         _fail(f"没有空闲块时新 token 需要新块，can_append 应为 False；{CAN_APPEND}", r)
+    record_case("can_append:no-free-new-block")
 
     table = list(seq.block_table)
     _release(bm, seq, live, "deallocate", r)
     tail = list(bm.free_block_ids)[-len(table):]
     _check_free_order(bm, table, "deallocate", r)
+    record_case("free:reversed-to-tail")
     _release(bm, filler, live, "释放占位序列", r)
     _check_accounting(bm, live, "全部释放之后", r)
     if bm.num_free_blocks != len(bm.blocks) or any(b.ref_count for b in bm.blocks):
@@ -358,6 +370,7 @@ def test_allocate_append_free():
     with _explained():
         bm.deallocate(seq)                                        # a second deallocate must be a no-op
     _check_accounting(bm, live, "对同一序列第二次 deallocate 之后", r)
+    record_case("free:second-deallocate-noop")
 
 
 @point("共享前缀：共用块与引用计数")
@@ -379,6 +392,7 @@ def test_shared_prefix():
     refs = [bm.blocks[x].ref_count for x in a.block_table[:k]]
     if refs != [2] * k:
         _fail(f"共用的块引用计数应都是 2，得到 {refs}", r)
+    record_case("share:prefix-ref-count")
 
     # identical prompts: everything but the last block is shared, whether that block is full or not
     full = m.Sequence(prefix + blocks[k + 2])                     # length (k+1)*bs: last block full
@@ -390,17 +404,43 @@ def test_shared_prefix():
         _fail("两条完全相同、长度是 block_size 整数倍的 prompt：第二条的 num_cached_tokens 等于它的长度", r, FULL_HIT)
     if twin_full.block_table[-1] == full.block_table[-1]:
         _fail("完全相同的 prompt 共用了最后一块", r, FULL_HIT)
+    record_case("last-block:full-never-hit")
     _admit(m, bm, part, content, live, "与 A 完全相同的 prompt（最后一块未满）", r)
     if part.block_table[-1] == a.block_table[-1]:
         _fail("两条完全相同的 prompt 共用了最后那个未满的块：之后两条序列会往同一个块里写不同的 token", r, PARTIAL_CACHED)
+    record_case("last-block:partial-not-shared")
     _check_accounting(bm, live, "四条序列共享前缀之后", r)
     _check_cache(m, bm, live, "四条序列共享前缀之后", r)
+
+    # a tight pool: exactly as many free blocks as the blocks a new prompt does NOT share with running sequences
+    probe = m.Sequence(prefix + blocks[k + 3][:r.int(1, bs)])
+    need = probe.num_blocks - k
+    extra = [m.Sequence([600000 + 1000 * j + i for i in range(bs)]) for j in range(bm.num_free_blocks - need)]
+    for s in extra:
+        _admit(m, bm, s, content, live, "占位序列（把空闲块用到只剩新 prompt 不共享的块数）", r)
+    with _explained():
+        can = bm.can_allocate(probe)
+    if not can:
+        fresh = m.Sequence([500000 + i for i in range(need * bs)])     # no hits, exactly the free blocks
+        with _explained():
+            exact_ok = bm.can_allocate(fresh)
+        _fail(f"空闲块 {bm.num_free_blocks} 个，新 prompt 要 {probe.num_blocks} 块，其中前 {k} 块命中别的序列正在用的块"
+              f"（引用计数 > 0、不占空闲块）：只需 {need} 个空闲块，can_allocate 应为 True", r,
+              SHARED_NOT_DEDUCTED if exact_ok else None)
+    got = _admit(m, bm, probe, content, live, f"空闲块恰好够用时，与 A 共享前 {k} 块的新 prompt", r)
+    if got != k * bs or bm.num_free_blocks:
+        _fail(f"新 prompt 应命中前 {k} 块（num_cached_tokens = {k * bs}）并用完全部空闲块，得到 num_cached_tokens {got}、"
+              f"剩余空闲块 {bm.num_free_blocks}", r)
+    record_case("can_allocate:shared-hits-take-no-free-block")
+    for s in extra + [probe]:
+        _release(bm, s, live, "释放占位序列与新 prompt", r)
 
     shared = a.block_table[:k]
     _release(bm, a, live, "释放 A", r)
     _check_accounting(bm, live, "释放 A 之后（它的前缀块还被 B 等序列引用）", r)
     if any(x in bm.free_block_ids for x in shared):
         _fail(f"释放 A 之后，前缀块 {shared} 还被其他序列引用，却进了 free list", r, FREED_SHARED)
+    record_case("free:shared-block-stays")
     for s in (b, full, twin_full, part):
         _release(bm, s, live, "释放其余序列", r)
         _check_accounting(bm, live, "释放其余序列之后", r)
@@ -427,6 +467,7 @@ def test_hit_after_free():
     missing = [i for i, h in enumerate(hashes) if bm.hash_to_block_id.get(h) != table[i]]
     if missing:
         _fail(f"释放 A 之后，它第 {missing} 块的哈希登记不见了", r, FORGET_ON_FREE)
+    record_case("free:keeps-hash")
 
     again = m.Sequence(a.token_ids[:(k + 1) * bs] + [blocks[k + 1][1]])      # A's k+1 full blocks, then new tokens
     free_before = bm.num_free_blocks
@@ -442,6 +483,8 @@ def test_hit_after_free():
               f"{free_before - again.num_blocks}，得到 {bm.num_free_blocks}", r, NOT_TAKEN_BACK)
     if [bm.blocks[x].ref_count for x in table[:k + 1]] != [1] * (k + 1):
         _fail(f"取回的缓存块引用计数应为 1，得到 {[bm.blocks[x].ref_count for x in table[:k + 1]]}", r)
+    record_case("hit:free-list-block-taken-back")
+    record_case("hit:decode-filled-block")
     _check_accounting(bm, live, "命中缓存块之后", r)
     _check_cache(m, bm, live, "命中缓存块之后", r)
 
@@ -453,6 +496,7 @@ def test_hit_after_free():
         _fail(f"此时 free list 里应只剩缓存块 {sorted(table[:k + 1])}，得到 {sorted(bm.free_block_ids)}", r)
     _admit(m, bm, m.Sequence(list(again.token_ids)), content, live,
            f"free list 只剩 {k + 1} 个缓存块时，再来要 {k + 2} 块的同一 prompt", r)
+    record_case("can_allocate:free-list-hit-takes-a-block")
 
 
 @point("链式哈希：中间一个 token 不同（或中间一块被驱逐），之后的块全不算命中")
@@ -469,6 +513,7 @@ def test_chain():
         _fail("compute_block_hash(block, prefix_hash) 与 prefix_hash 无关", r, UNCHAINED)
     if m.compute_block_hash(blocks[1][::-1], -1) == h0:
         _fail("compute_block_hash 与 token 的顺序无关", r)
+    record_case("hash:deterministic-chained-int")
 
     content, live = {}, []
     a = m.Sequence([t for blk in blocks[:4] for t in blk] + [blocks[4][0]])    # 4 full blocks + 1
@@ -478,6 +523,7 @@ def test_chain():
     if got or set(shifted.block_table) & set(a.block_table):
         _fail(f"S 的第 0 块与 A 的第 1 块 token 相同但前缀不同，不能命中；S 的 block_table {shifted.block_table}，"
               f"A 的 {a.block_table}", r, UNCHAINED)
+    record_case("chain:shifted-blocks")
 
     j = r.int(0, 2)                                                           # change one token inside block j
     tokens = list(a.token_ids)
@@ -493,6 +539,7 @@ def test_chain():
             _fail(f"A 和 B 的第 {i} 块 token 相同、前缀不同，哈希却相同", r, UNCHAINED)
     _check_accounting(bm, live, "A、S、B 之后", r)
     _check_cache(m, bm, live, "A、S、B 之后", r)
+    record_case("chain:middle-token-differs")
 
     # block 1 of A evicted (its entry dropped): blocks 2 and 3 are still cached but unusable
     del bm.hash_to_block_id[bm.blocks[a.block_table[1]].hash]
@@ -502,6 +549,7 @@ def test_chain():
     if got != bs or set(c.block_table[1:]) & set(a.block_table):
         _fail(f"只有第 0 块能命中（第 1 块 miss，第 2、3 块虽然还在缓存里也不能用）；C 的 block_table {c.block_table}，"
               f"num_cached_tokens {got}；A 的 block_table {a.block_table}", r, PAST_MISS)
+    record_case("chain:middle-block-evicted")
 
     # the same tokens after another prefix are a miss, whichever physical block holds them: U's block 0 (u) is
     # physical block 0 and blocks 1..n-1 all hold w (each under its own chained hash), so the first block, the
@@ -526,6 +574,7 @@ def test_chain():
             _fail(f"{label}：第 0 块 u 的链式哈希登记在块 0 上（U 释放后仍是缓存），_cached_prefix 应命中 [0]，得到 {hits}", r)
     for label, tokens, want in probes:
         _admit(m, bm2, m.Sequence(tokens), content2, live2, label, r)
+    record_case("chain:same-tokens-other-prefix-miss")
 
 
 @point("命中必须核对 token ids（人为制造一次哈希碰撞）")
@@ -553,6 +602,7 @@ def test_collision():
               r, NO_TOKEN_CHECK)
     if bm.blocks[victim].ref_count != 1:
         _fail(f"块 {victim} 只被 A 持有，引用计数应为 1，得到 {bm.blocks[victim].ref_count}", r, NO_TOKEN_CHECK)
+    record_case("hit:hash-collision-checks-tokens")
 
 
 @point("驱逐：只驱逐引用计数为 0 的块，复用时删除旧登记")
@@ -587,6 +637,7 @@ def test_eviction():
     kept = [i for i in range(k - 1) if bm.hash_to_block_id.get(hashes[i]) != table[i]]
     if kept:
         _fail(f"只有被重新分配的块 {evicted} 应被驱逐；A 的第 {kept} 块还在 free list 里，登记却没了", r, FORGET_ON_FREE)
+    record_case("evict:on-reuse-only")
     _check_accounting(bm, live, "驱逐之后", r)
     _check_cache(m, bm, live, "驱逐之后", r)
 
@@ -607,6 +658,7 @@ def test_eviction():
     lost = [i for i in range(k - 1) if bm.hash_to_block_id.get(hashes[i]) != table[i]]
     if lost:
         _fail(f"A 的第 {lost} 块正被引用，它们的哈希登记不能丢", r)
+    record_case("evict:referenced-never-taken")
     _check_accounting(bm, live, "最后", r)
 
 
@@ -645,6 +697,7 @@ def test_reregistered_then_evicted():
               f"{d.block_table}、num_cached_tokens {got}", r)
     _check_accounting(bm, live, "重新登记与驱逐之后", r)
     _check_cache(m, bm, live, "重新登记与驱逐之后", r)
+    record_case("evict:keeps-newer-registration")
 
 
 @point("关闭 prefix caching（混合模型）：不查、不登记")
@@ -665,6 +718,14 @@ def test_prefix_caching_off():
     if bm.hash_to_block_id or any(blk.hash != -1 for blk in bm.blocks):
         _fail("enable_prefix_caching=False 时不应登记任何哈希", r)
     _check_accounting(bm, live, "关闭 prefix caching", r)
+    record_case("off:no-lookup-no-register")
+    for s in (a, b):                                      # only allocate and free: everything comes back
+        _release(bm, s, live, "关闭 prefix caching 时释放", r)
+    _check_accounting(bm, live, "关闭 prefix caching、全部释放之后", r)
+    if bm.num_free_blocks != len(bm.blocks) or bm.hash_to_block_id:
+        _fail(f"关闭 prefix caching、全部释放之后应有 {len(bm.blocks)} 个空闲块、没有哈希登记，得到 {bm.num_free_blocks} 个、"
+              f"{len(bm.hash_to_block_id)} 条登记", r)
+    record_case("off:free")
 
 
 @point("抢占：分块 prefill 没算完的块不留在缓存里")
@@ -687,6 +748,7 @@ def test_preempt_mid_prefill():
     _admit(m, bm, a, content, live, "A 被重新接纳", r, compute=False)
     if a.num_cached_tokens != j * bs:
         _fail(f"A 重新接纳时只有前 {j} 块有 KV，num_cached_tokens 应为 {j * bs}，得到 {a.num_cached_tokens}", r, UNCOMPUTED)
+    record_case("preempt:mid-block-evicted")
 
     # preempted again, this time exactly at the end of a block: that block is computed and stays cached
     table = list(a.block_table)
@@ -700,9 +762,31 @@ def test_preempt_mid_prefill():
     _admit(m, bm, a, content, live, "A 第二次被重新接纳", r, compute=False)
     if a.num_cached_tokens != j2 * bs:
         _fail(f"A 第二次重新接纳时前 {j2} 块有 KV，num_cached_tokens 应为 {j2 * bs}，得到 {a.num_cached_tokens}", r)
+    record_case("preempt:on-block-boundary-kept")
     _compute(a, len(a), content)
     _check_accounting(bm, live, "A 重新接纳并算完之后", r)
     _check_cache(m, bm, live, "A 重新接纳并算完之后", r)
+
+    # a request that has generated tokens (past its prompt: one more full block and a token) is preempted and
+    # admitted again: allocate covers ALL its tokens, generated ones included, and hits the blocks decode filled
+    n_gen = bs + r.int(0, bs - 2)                         # A ends mid-block: k + 1 full blocks and a partial one
+    for t in range(n_gen):
+        _grow(m, bm, a, 5000 + t, content, f"A 的 decode（第 {t + 1} 个生成的 token）", r)
+    hashes = _chain(m, a.token_ids, bs)
+    _release(bm, a, live, f"A 生成了 {n_gen} 个 token 之后被抢占", r)
+    _admit(m, bm, a, content, live, f"A（{a.num_prompt_tokens} 个 prompt token + {n_gen} 个生成的 token）第三次被接纳",
+           r, compute=False)
+    if len(a.block_table) != a.num_blocks:
+        _fail(f"A 被抢占后重新接纳时有 {len(a)} 个 token（其中 {n_gen} 个是生成的），应持有 {a.num_blocks} 块，block_table "
+              f"却有 {len(a.block_table)} 块", r,
+              PROMPT_ONLY if len(a.block_table) == -(-a.num_prompt_tokens // bs) else None)
+    if a.num_cached_tokens != len(hashes) * bs:
+        _fail(f"A 的前 {len(hashes)} 块（含 decode 写满的块）都有 KV，重新接纳时 num_cached_tokens 应为 "
+              f"{len(hashes) * bs}，得到 {a.num_cached_tokens}", r)
+    _compute(a, len(a), content)
+    _check_accounting(bm, live, "A 生成 token、被抢占、重新接纳之后", r)
+    _check_cache(m, bm, live, "A 生成 token、被抢占、重新接纳之后", r)
+    record_case("preempt:after-decode-readmitted")
 
 
 # ---------------------------------------------------------------------------------------- properties
@@ -798,6 +882,7 @@ def test_random_operations():
         if not failing:
             raise
     if not failing:
+        record_case("random:invariants")
         return
     bs, num_blocks, caching, ops = failing
     ops = _shrink(lambda trial: _run_ops(m, bs, num_blocks, caching, trial), ops)
@@ -887,3 +972,4 @@ def test_card_example():
     with _explained():
         if bm.can_allocate(e):
             _fail("卡片例子 ⑦：E 命中块 0、1，块 2 的 h2 已被驱逐，还要 2 个新块，而空闲块为 0：can_allocate 应为 False")
+    record_case("card:6-blocks-bs-4")

@@ -12,7 +12,7 @@ chunk bookkeeping, preemption of the newest, no starvation, no leak) and names t
 
 from __future__ import annotations
 
-from checks.kit import Rand, impl, point
+from checks.kit import Rand, impl, point, record_case
 
 MODULE = "e03_scheduler"
 VOCAB = 50
@@ -37,6 +37,8 @@ M_CEIL = "add 的块数没有向上取整：最长 L 个 token 要 ceil(L / bloc
 M_SKIP_BREAK = ("以为没算完的 prefill 总在最后：遇到它就 break 了，排在它后面的序列没有处理"
                 "（第 1 段的 decode 循环和 postprocess 都应 continue 跳过它）")
 M_YIELD_GOES_ON = "需要块的序列自己被抢占（让出）之后没有停下，又去抢占了更老的请求（if victim is seq: break）"
+M_ADMIT_AFTER_PREEMPT = ("发生抢占的那一步还接纳了请求：刚被赶出去的请求马上又把块抢回来；本步有抢占就不接纳 waiting"
+                         "（vLLM 的 if not preempted_reqs）")
 M_PREEMPT_ONCE = "只抢占一次就 may_append：被抢占的请求的块可能还被别人引用、一块也没腾出来，要一直 can_append → 抢占，直到有空闲块"
 
 
@@ -308,6 +310,7 @@ def test_single_request():
         fail(f"每步的 (请求, 起始位置, token 数) 与 结束的请求：\n  得到 {log}\n  期望 {expected}", rand=r)
     h.check_tokens()
     h.check_no_leak()
+    record_case("single:prefill-decodes-finish-free")
 
 
 @point("结束条件：eos（ignore_eos 时不算）、stop token、max_tokens、max_model_len")
@@ -316,14 +319,14 @@ def test_finishing_rules():
     prompt = _tokens(r, r.int(4, 10))
     first = reference_tokens(prompt, impl("e01_sampling").SamplingParams(max_tokens=3, ignore_eos=True),
                              impl(MODULE).SchedulerConfig(max_model_len=10**6))[len(prompt):]   # the 3 tokens it makes
-    cases = [  # (config, params, expected number of completion tokens)
-        (dict(eos_token_id=first[1]), dict(max_tokens=3), 2 if first[0] != first[1] else 1),
-        (dict(eos_token_id=first[1]), dict(max_tokens=3, ignore_eos=True), 3),
-        (dict(), dict(max_tokens=3, stop_token_ids=[first[0]]), 1),
-        (dict(max_model_len=len(prompt) + 2), dict(max_tokens=3), 2),
-        (dict(), dict(max_tokens=1), 1),
+    cases = [  # (label, config, params, expected number of completion tokens)
+        ("eos", dict(eos_token_id=first[1]), dict(max_tokens=3), 2 if first[0] != first[1] else 1),
+        ("ignore-eos", dict(eos_token_id=first[1]), dict(max_tokens=3, ignore_eos=True), 3),
+        ("stop-token", dict(), dict(max_tokens=3, stop_token_ids=[first[0]]), 1),
+        ("max-model-len", dict(max_model_len=len(prompt) + 2), dict(max_tokens=3), 2),
+        ("max-tokens", dict(), dict(max_tokens=1), 1),
     ]
-    for config, params, want in cases:
+    for label, config, params, want in cases:
         config = dict(dict(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64), **config)
         h = Harness(r, block_size=4, num_blocks=16, **config)
         seq = h.add("A", prompt, **params)
@@ -333,6 +336,7 @@ def test_finishing_rules():
             fail(f"SchedulerConfig({config}) + SamplingParams({params})：应生成 {want} 个 token 后结束，"
                  f"得到 {seq.num_completion_tokens} 个 {seq.completion_token_ids}（模型会依次给出 {first}）", mistake, r)
         h.check_tokens()
+        record_case(f"finish:{label}")
 
 
 @point("continuous batching：别的请求在 decode 时接纳新请求，同一个 batch 里一起算")
@@ -350,6 +354,7 @@ def test_admits_while_decoding():
         fail(f"A、B 在 decode，第 3 步到达的 C 应在同一步被接纳：\n  得到 {log}\n  期望 {expected}", rand=r)
     h.run(max_steps=20)
     h.check_tokens()
+    record_case("batching:admit-while-decoding")
 
 
 @point("decode 优先：预算先给 running 的 decode，再给 prefill 块")
@@ -371,6 +376,7 @@ def test_decodes_before_prefill():
              mistake, r)
     h.run(max_steps=40)
     h.check_tokens()
+    record_case("budget:decodes-first")
 
 
 @point("chunked prefill：长 prompt 按预算切块，每块从上一块结束处接着算，块中间不采样")
@@ -390,6 +396,7 @@ def test_chunked_prefill():
         fail(f"{n} 个 token 的 prompt、预算 {budget}：各块 (起始位置, token 数) 应为 {want}，得到 {chunks}", rand=r)
     h.run(max_steps=20)
     h.check_tokens()
+    record_case("chunk:continues-no-sample-mid-prompt")
 
     # the decodes leave exactly 1 token of the budget: X is admitted with a 1-token chunk and continues 1 by 1
     budget = r.int(3, 8)
@@ -409,6 +416,7 @@ def test_chunked_prefill():
              f"各块 (起始位置, token 数) 应为 {want}，得到 {chunks}（预算 > 0 就切一块，n = min(剩余, 预算) 可以是 1）", rand=r)
     h.run(max_steps=40)
     h.check_tokens()
+    record_case("chunk:budget-of-one")
 
 
 @point("关闭 chunked prefill：放不下的 prompt 整段等到预算够的那一步，后来的请求不插队；被抢占过的按 prompt + 已生成的全部 token 算")
@@ -432,6 +440,7 @@ def test_no_chunking_waits():
         fail(f"C（{budget - 1} 个 token，预算 {budget}）第 2、3 步放不下（A、B 各占 1），第 4 步 A 已结束才整段放进去；"
              f"D 排在它后面不能先走：C 在第 {start_c} 步、D 在第 {start_d} 步被接纳。各步：{log}", rand=r)
     h.check_tokens()
+    record_case("chunk-off:whole-prompt-waits-no-overtaking")
 
     # a preempted sequence is re-admitted whole too: prompt + generated, num_tokens in all, not just its prompt.
     # A, D, E and P fill the pool (1 + 1 + 1 + k blocks); in step s P's decode opens block k + 1 and P, the newest,
@@ -462,6 +471,7 @@ def test_no_chunking_waits():
              f"token，它整段等待；第 {s + 2} 步 A 已结束，{budget - 1} 个 token 整段重新 prefill。P 的 (步, 起始位置, token 数) "
              f"应为 {want}，得到 {got}；被抢占的应为 ['P']，得到 {h.preempted}", rand=r)
     h.check_tokens()
+    record_case("chunk-off:preempted-counts-num-tokens")
 
 
 @point("max_num_seqs：running 与 batch 都不超过上限，有请求结束就接纳下一个")
@@ -473,6 +483,7 @@ def test_max_num_seqs():
         h.add(f"R{i}", _tokens(r, r.int(2, 6)), max_tokens=r.int(1, 4), ignore_eos=True)
     h.run(max_steps=40)
     h.check_tokens()
+    record_case("max_num_seqs:limit-then-next")
 
 
 @point("prefix cache 命中：只把未命中的 token 计入预算，命中部分不重算")
@@ -493,6 +504,7 @@ def test_prefix_hits_count_only_uncached():
              M_WHOLE_PROMPT, r)
     h.run(max_steps=10)
     h.check_tokens()
+    record_case("prefix-hit:only-uncached-in-budget")
 
 
 @point("抢占：块不够时最新的请求让出块、回到 waiting 队首，重算后 token 与无约束运行完全一致")
@@ -511,6 +523,38 @@ def test_preemption_by_recompute():
     if h.sched.num_preemptions != len(h.preempted):
         fail(f"num_preemptions={h.sched.num_preemptions}，但实际抢占了 {len(h.preempted)} 次（{h.preempted}）", rand=r)
     h.check_tokens()
+    record_case("preempt:newest-to-front-recompute")
+
+    # no admission in a step that preempted, even when the head of waiting (the request just preempted) would fit:
+    # V's prompt is S's prompt plus the token S generates first, so V runs one token ahead of S with the same
+    # tokens. V fills its last block first, then S fills the same content and registers it last (the entry points at
+    # S's block). In that step V (newest) needs a new block and the pool is full: V yields itself, freeing its own
+    # block; re-admitted it would hit every full block on S's blocks (held, ref > 0) and need only the one free block.
+    bs, k = r.choice([4, 8]), r.int(1, 2)
+    p = _tokens(r, k * bs + r.int(1, bs - 2))
+    pool = k + 2                                           # S: k shared + 1, V: 1 of its own: full after step 1
+    h = Harness(r, block_size=bs, num_blocks=pool, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
+    s_seq = h.add("S", p, max_tokens=pool * bs - len(p), ignore_eos=True)
+    v = h.add("V", p + [next_token(p)], max_tokens=pool * bs - len(p) - 1, ignore_eos=True)
+    critical = (k + 1) * bs - len(p) + 1                   # the step in which S's last token fills block k
+    for step in range(1, critical + 1):
+        batch, _ = h.step()
+        if step < critical and h.preempted:
+            fail(f"检查本身的问题：第 {step} 步就发生了抢占 {h.preempted}", rand=r)
+    # (a V preempted and re-admitted in the same step is RUNNING again: the harness's list misses it, the count not)
+    readmitted = (h.sched.num_preemptions == 1 and not h.preempted and s_seq in h.sched.running
+                  and any(name == "V" for name, _, _ in batch))
+    if readmitted:
+        fail(f"第 {critical} 步 V（最新的）让出自己之后又在同一步被重新接纳了：发生抢占的这一步不应再接纳 waiting 的请求"
+             f"（哪怕 V 重新接纳时只要 1 个空闲块）。得到 batch {batch}", M_ADMIT_AFTER_PREEMPT, r)
+    if h.preempted != ["V"] or list(h.sched.waiting) != [v]:
+        fail(f"第 {critical} 步 S 写满第 {k} 块、V 的新 token 要开新块而池子已满：最新的 V 应让出自己、留在 waiting 队首，"
+             f"得到被抢占 {h.preempted}、batch {batch}、waiting {[h.name(q) for q in h.sched.waiting]}", rand=r)
+    if batch != [("S", s_seq.num_tokens - 2, 1)] and sorted(batch) != [("S", s_seq.num_tokens - 2, 1)]:
+        fail(f"第 {critical} 步的 batch 应只有 S 的 decode，得到 {batch}", rand=r)
+    h.run(max_steps=80)
+    h.check_tokens()
+    record_case("preempt:no-admission-in-that-step")
 
 
 @point("抢占腾不出块：块还被别人引用时继续抢占下一个最新的；需要块的正是最新的，就让出自己并停下")
@@ -555,6 +599,7 @@ def test_preemption_that_frees_nothing():
     h.bm.deallocate(holder)
     h.run(max_steps=60)
     h.check_tokens()
+    record_case("preempt:frees-nothing-next-newest")
 
     # 2) the newest V needs a block and yields itself, but frees nothing: it stops there; A (older) keeps running
     la, k = r.int(bs + 1, 2 * bs - 1), r.int(1, 3)
@@ -569,6 +614,7 @@ def test_preemption_that_frees_nothing():
     h.bm.deallocate(holder)
     h.run(max_steps=60)
     h.check_tokens()
+    record_case("preempt:yields-itself-and-stops")
 
 
 @point("切短的 prefill 块（e07 的 HybridScheduler）：没算完的 prefill 不在最后时，后面的 decode 与序列照常处理")
@@ -599,6 +645,7 @@ def test_prefill_cut_short_by_a_subclass():
              rand=r)
     h.run(max_steps=30)
     h.check_tokens()
+    record_case("cut:partial-prefill-not-last")
 
 
 @point("add 拒绝 KV 池永远放不下的请求（ValueError），调度器照常工作")
@@ -608,14 +655,15 @@ def test_rejects_what_never_fits():
     h = Harness(r, block_size=bs, num_blocks=num_blocks, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64)
     capacity = bs * num_blocks
     grow = r.int(1, 3)
-    cases = [(capacity + bs + r.int(0, 2), 1, None),              # the prompt alone does not fit
-             (capacity - 2, r.int(bs + 2, 2 * bs + 2), M_REJECT),  # the prompt fits, but it would grow past the pool
-             (capacity + 1 - grow, grow, M_CEIL)]                  # it grows to capacity + 1 tokens: one block too many
-    for prompt_len, max_tokens, mistake in cases:
+    cases = [("prompt-too-long", capacity + bs + r.int(0, 2), 1, None),              # the prompt alone does not fit
+             ("grows-past-pool", capacity - 2, r.int(bs + 2, 2 * bs + 2), M_REJECT),  # fits, but grows past the pool
+             ("one-block-too-many", capacity + 1 - grow, grow, M_CEIL)]  # grows to capacity + 1 tokens
+    for label, prompt_len, max_tokens, mistake in cases:
         seq = h.e02.Sequence(_tokens(r, prompt_len), h.e01.SamplingParams(max_tokens=max_tokens))
         try:
             h.sched.add(seq)
         except ValueError:
+            record_case(f"add:reject-{label}")
             continue
         longest = prompt_len + max_tokens
         fail(f"KV 池 {num_blocks}×{bs} = {capacity} 个 token；prompt {prompt_len} + max_tokens {max_tokens} 的请求最长 "
@@ -626,6 +674,7 @@ def test_rejects_what_never_fits():
     h.add("ok", _tokens(r, capacity - 3), max_tokens=3, ignore_eos=True)   # exactly the pool: accepted and served
     h.run(max_steps=10)
     h.check_tokens()
+    record_case("add:exact-pool-served")
 
 
 @point("随机模拟：全部完成且与无约束运行一致，预算与上限从不超，无饥饿，块全部归还")
@@ -665,6 +714,7 @@ def test_random_simulation():
     if len(h.seqs) != len(requests) or not all(q.is_finished for q in h.seqs):
         fail(f"只有 {sum(q.is_finished for q in h.seqs)}/{len(requests)} 个请求完成", rand=r)
     h.check_tokens()
+    record_case("random:matches-unconstrained")
 
 
 @point("卡片例子：逐步图的 8 步调度表（chunked prefill、decode 优先、两次抢占、重算）")
@@ -702,3 +752,4 @@ def test_card_example():
     tokens = {h.name(q): q.completion_token_ids for q in h.seqs}
     if tokens != {"A": [27, 26, 34, 8, 12], "B": [3, 16, 15, 47], "C": [41, 6, 49]}:
         fail(f"卡片例子的 completion token 应为 A [27, 26, 34, 8, 12]、B [3, 16, 15, 47]、C [41, 6, 49]，得到 {tokens}", rand=r)
+    record_case("card:8-steps")

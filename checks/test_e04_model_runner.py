@@ -11,7 +11,7 @@ import copy
 import torch
 
 from checks import hf_models
-from checks.kit import Rand, assert_close, assert_equal, impl, point
+from checks.kit import Rand, assert_close, assert_dtype, assert_equal, impl, point, record_case
 from checks.sampling_contract import ContractSampler
 
 MODULE = "e04_model_runner"
@@ -46,6 +46,17 @@ def test_prepare_batch_card_example():
                  what="block_tables（按最长的表用 -1 补齐）")
     assert_equal(ctx.context_lens, torch.tensor([7, 9, 3], dtype=torch.int32), what="context_lens")
     assert (ctx.max_seqlen_q, ctx.max_seqlen_k) == (5, 9), "max_seqlen_q / max_seqlen_k"
+    record_case("batch:card-example-mixed")
+    # the dtypes of the card's table (a kernel backend reads the int32 fields as int32 pointers)
+    want = [(ids, torch.int64, "input_ids"), (pos, torch.int64, "positions"),
+            (ctx.cu_seqlens_q, torch.int32, "cu_seqlens_q"), (ctx.cu_seqlens_k, torch.int32, "cu_seqlens_k"),
+            (ctx.slot_mapping, torch.int64, "slot_mapping"), (ctx.block_tables, torch.int32, "block_tables"),
+            (ctx.context_lens, torch.int32, "context_lens")]
+    for tensor, dtype, name in want:
+        assert_dtype(tensor, dtype, what=name,
+                     mistake=f"{name} 的 dtype 与卡片的表不符（{dtype}）：int32 的字段要 .int() / dtype=torch.int32，"
+                             "int64 的不要转" if tensor.dtype in (torch.int32, torch.int64) else "")
+    record_case("batch:field-dtypes")
     # is_prefill: any q_b > 1 (a kernel backend takes its decode-only path when it is False)
     r = Rand()
     decodes = [_seq(e02, range(n), cached=n - 1, scheduled=1, table=list(range(10 * i, 10 * i + (n + 3) // 4)))
@@ -66,21 +77,33 @@ def test_prepare_batch_card_example():
         if bool(got) != want:
             raise AssertionError(f"ctx.is_prefill 应为 {want}（有任何 q_b > 1 就是 True，只有全是 decode 才是 False）："
                                  f"{label}，得到 {got!r}；{r}" + (f"\n  看起来像易错点：{mistake}" if mistake else ""))
+        record_case(f"is_prefill:{want}")
 
 
 @point("paged attention：经 block table 读写的结果与连续 K/V 的 varlen attention 一致")
 def test_paged_attention_matches_dense():
-    m, m04 = impl(MODULE), impl("m04_attention")
     r = Rand()
-    block, heads, kv_heads, dim = r.choice([2, 4, 8]), 4, 2, 8
+    block = r.choice([2, 4, 8])
+    _paged_attention_case(r, block, torch.float32)
+    _paged_attention_case(r, block, torch.bfloat16)          # the dtype the engine runs in on a GPU
+
+
+def _paged_attention_case(r: Rand, block: int, dtype: torch.dtype) -> None:
+    m, m04 = impl(MODULE), impl("m04_attention")
+    heads, kv_heads, dim = 4, 2, 8
     num_blocks = 64
-    caches = [torch.zeros(num_blocks, block, kv_heads, dim) for _ in range(2)]
+    caches = [torch.zeros(num_blocks, block, kv_heads, dim, dtype=dtype) for _ in range(2)]
     backend = m.PagedAttention(heads, dim, dim ** -0.5, kv_heads, *caches)
     free = torch.randperm(num_blocks, generator=r.gen).tolist()           # scattered physical blocks
-    cached = [r.int(0, 9) for _ in range(3)] + [r.int(3, 9)]
-    new = [r.int(1, 6) for _ in range(3)] + [1]                           # the last one decodes
-    k_full = [r.randn(c + n, kv_heads, dim) for c, n in zip(cached, new)]
-    v_full = [r.randn(c + n, kv_heads, dim) for c, n in zip(cached, new)]
+    # a fresh prompt (c = 0); a chunk after a prefix ending exactly on a block boundary; one ending inside a
+    # block; a decode (q = 1) after a prefix of >= 3 tokens
+    c1, c2 = r.int(1, 9), r.int(1, 9)
+    n2 = r.int(1, 6)
+    n2 += (c2 + n2) % block == 0
+    cached = [0, c1, c2, r.int(3, 9)]
+    new = [r.int(1, 6), -(-(c1 + 1) // block) * block - c1, n2, 1]
+    k_full = [r.randn(c + n, kv_heads, dim, dtype=dtype) for c, n in zip(cached, new)]
+    v_full = [r.randn(c + n, kv_heads, dim, dtype=dtype) for c, n in zip(cached, new)]
     tables, slot_new = [], []
     for c, n, kf, vf in zip(cached, new, k_full, v_full):
         table = [free.pop() for _ in range((c + n + block - 1) // block)]
@@ -98,15 +121,27 @@ def test_paged_attention_matches_dense():
                                slot_mapping=torch.tensor(slot_new),
                                block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables]).int(),
                                context_lens=torch.tensor([c + n for c, n in zip(cached, new)]).int())
-    q = r.randn(sum(new), heads, dim)
+    q = r.randn(sum(new), heads, dim, dtype=dtype)
     k_new = torch.cat([kf[c:] for kf, c in zip(k_full, cached)])
     v_new = torch.cat([vf[c:] for vf, c in zip(v_full, cached)])
     out = backend(q, k_new, v_new, ctx)
-    ref = m04.varlen_attention(q, torch.cat(k_full), torch.cat(v_full), cu_q, cu_k, dim ** -0.5)
-    assert_close(out, ref, what=f"paged attention（block={block}，前缀 {cached}，新 token {new}）", rand=r)
+    # the oracle: m04's dense varlen attention in fp32 on the same (bf16-rounded) inputs
+    ref = m04.varlen_attention(q.float(), torch.cat(k_full).float(), torch.cat(v_full).float(), cu_q, cu_k, dim ** -0.5)
+    what = f"paged attention（{dtype}，block={block}，前缀 {cached}，新 token {new}）"
+    if dtype != torch.float32:
+        assert_dtype(out, dtype, what=what,
+                     mistake=f"attention 升到 fp32 算完没有转回输入的 dtype：输出要和 q 一样是 {dtype}（模型的 o_proj 是 {dtype}）")
+    assert_close(out, ref.to(dtype), what=what, rand=r)
     for kf, table, c, n in zip(k_full, tables, cached, new):
         stored = caches[0].view(-1, kv_heads, dim)[[table[t // block] * block + t % block for t in range(c + n)]]
-        assert_close(stored, kf, what="写入 cache 的 K（store_kvcache 经 slot_mapping）", rand=r)
+        assert_close(stored, kf, what=f"写入 cache 的 K（{dtype}，store_kvcache 经 slot_mapping）", rand=r)
+    label = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    record_case(f"paged:{label}")
+    if label == "fp32":
+        record_case("paged:fresh-prompt")
+        record_case("paged:context-ends-on-block-boundary")
+        record_case("paged:context-ends-inside-block")
+        record_case("paged:decode")
 
 
 def _tiny_model(family: str, r: Rand):
@@ -235,6 +270,9 @@ def _check_against_dense(family: str) -> None:
                 total += 1
     assert max(packed) >= 2, f"检查本身的问题：没有排出同批 ≥ 2 条带前缀的 chunk（{packed}）"
     assert total >= 6, f"只比较了 {total} 个位置：调度没有推进"
+    record_case("runner:budget-chunks-and-decodes")           # partial prefills return -1 (checked in _drive)
+    record_case("runner:several-prefix-chunks-in-one-batch")
+    record_case("runner:preempted-sequence-recomputed")
 
 
 @point("dense 模型：chunked prefill + decode 经 ModelRunner 的 logits 与整段重算一致")
@@ -266,17 +304,36 @@ def test_gdn_state_pool():
         pass
     else:
         raise AssertionError("状态池满了还能分配：max_num_seqs 个槽位用完时应报错")
+    record_case("pool:full-raises")
     pool.free(first)
     third = e02.Sequence([8, 9])
     slot_c = pool.allocate(third)
     assert slot_c == slot_a, "归还的槽位应能被下一个序列复用"
     assert not pool.conv[layer][slot_c].any() and not pool.ssm[layer][slot_c].any(), \
         "复用的槽位没有清零：新序列会带着上一个序列的 conv / recurrent 状态开始（易错点：入场不清零）"
+    record_case("pool:reused-slot-zeroed")
+    # a sequence that resumes past token 0 (num_cached_tokens > 0) but has no slot: no state to continue from
+    fresh_pool = m.GDNStatePool(model, max_num_seqs=2)
+    resumed = e02.Sequence(r.randint(1, 64, (r.int(3, 8),)).tolist())
+    resumed.num_cached_tokens = r.int(1, resumed.num_tokens - 1)
+    resumed.num_scheduled_tokens = resumed.num_tokens - resumed.num_cached_tokens
+    try:
+        fresh_pool.states([resumed])
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError(f"states() 拿到一个没有槽位、却 num_cached_tokens = {resumed.num_cached_tokens} > 0 的序列：它的前缀"
+                             "从没在这个池子里算过，没有状态可接着用，应报 RuntimeError\n  看起来像易错点：没有槽位的序列一律"
+                             "分一个清零的槽位，不看 num_cached_tokens：前缀的状态悄悄从零开始")
+    if resumed.seq_id in fresh_pool.slot_of:
+        raise AssertionError("states() 报错之前已经给这个序列分了槽位：报错的序列不应占着槽位")
+    record_case("pool:resume-without-state-raises")
     # a reused slot through the runner: the second request must not see the first one's state
     _, _, seen = _drive(m, e02, model, [r.randint(1, 64, (5,)).tolist()], budget=8, steps=3)
     runner, _, seen2 = _drive(m, e02, model, [r.randint(1, 64, (4,)).tolist()], budget=8, steps=3)
     for tokens, logits in next(iter(seen2.values())):
         assert_close(logits, _dense_last_logits(dense, tokens), what="复用槽位后的 logits", rand=r, atol=1e-4, rtol=1e-4)
+    record_case("pool:runner-reuse-no-leak")
 
 
 @point("只有算完全部 token 的序列才采样：partial prefill 不消耗随机数，带 seed 的结果与分块无关")
@@ -305,6 +362,7 @@ def test_partial_prefill_draws_nothing():
         results.append(out)
     assert results[0] == results[1], (f"同一个 seed、只是 prefill 分块不同，采样结果却不同：{results[0]} vs {results[1]}"
                                       "\n  看起来像易错点：partial prefill 的行也做了采样，消耗了请求自己的随机数")
+    record_case("sample:partial-prefill-draws-nothing")
 
 
 @point("带 seed 的请求：跨步、被抢占重算之后，每个 token 仍按 e01 的约定采样（generator 只建一次）")
@@ -325,6 +383,7 @@ def test_seeded_across_steps_and_preemption():
     contract.verify()
     counts = [len(contract.samples.get(s, [])) for s in seeds]
     assert min(counts) >= 6, f"检查本身的问题：每条带 seed 的序列应采样 ≥ 6 次（被抢占的前后各几次），得到 {counts}"
+    record_case("seed:one-generator-across-steps-and-preemption")
 
 
 def _f32(x: float) -> float:
@@ -368,3 +427,4 @@ def test_prepare_batch_has_no_token_loop():
     short, long = _line_events(m.prepare_batch, batch(2), 4), _line_events(m.prepare_batch, batch(40), 4)
     assert long <= short + 2, (f"prompt 长 20 倍时 prepare_batch 执行的 Python 行数从 {short} 变成 {long}："
                                "看起来像易错点：逐 token 的 Python 循环（positions / slot_mapping 应该用张量运算算出来）")
+    record_case("batch:no-token-loop")

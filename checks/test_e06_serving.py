@@ -19,7 +19,7 @@ import transformers  # noqa: F401  imported once per process, outside every chec
 from transformers import PreTrainedTokenizerFast, Qwen3Config  # noqa: F401  the dummy model's config and tokenizer
 
 from checks import hf_models
-from checks.kit import Rand, impl, point
+from checks.kit import Rand, impl, point, record_case
 from course.grader import registry
 
 MODULE = "e06_serving"
@@ -204,11 +204,14 @@ def test_parse_request_fields():
         "params.top_k": 0, "params.seed": None, "stop": [], "stream": False, "include_usage": False,
         "return_token_ids": False, "chat": False}, body,
         {"params.max_tokens": "缺省的 max_tokens 应是 max_model_len − prompt 长度（上下文里剩下的全部）"})
+    record_case("parse:defaults")
     nulls = {k: None for k in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n", "stream",
                                "stream_options", "stop_token_ids", "ignore_eos", "user")}
     body = {"model": MODEL, "prompt": ids, **nulls}            # clients send null for "not set"
     _fields(_parsed(m, body, False, tok, max_model_len), {
         "prompt_ids": ids, "params.max_tokens": max_model_len - len(ids), "stop": [], "stream": False}, body, {})
+    record_case("parse:null-is-unset")
+    record_case("parse:prompt-token-ids")
     k, seed, stops = r.int(1, 8), r.int(0, 2**64 - 1), [_text(r, r.int(1, 3)), _text(r, r.int(4, 6))]
     body = {"model": MODEL, "prompt": ids, "max_tokens": k, "temperature": r.choice([0, 1, 0.5]), "top_p": 0.9,
             "top_k": -1, "min_p": 0.05, "seed": seed, "stop": stops, "stop_token_ids": [3], "ignore_eos": True,
@@ -218,8 +221,11 @@ def test_parse_request_fields():
         "params.top_k": 0, "params.min_p": 0.05, "params.seed": seed, "params.stop_token_ids": {3},
         "params.ignore_eos": True, "stop": stops, "stream": True, "include_usage": True, "return_token_ids": True},
         body, {"params.top_k": "top_k = -1 是 vLLM 的“关闭”，应换成 e01 的 0"})
+    record_case("parse:every-sampling-field")
+    record_case("parse:top_k=-1")
     body = {"model": MODEL, "prompt": text, "stop": stops[1]}
     _fields(_parsed(m, body, False, tok, max_model_len), {"stop": [stops[1]]}, body, {})
+    record_case("parse:stop-str")
     messages = [{"role": "system", "content": _text(r, 4)}, {"role": "user", "content": _text(r, r.int(2, 9))}]
     chat_ids = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
     k2 = r.int(1, 8)
@@ -228,6 +234,8 @@ def test_parse_request_fields():
                                                         "chat": True}, body,
             {"params.max_tokens": "chat 的 max_completion_tokens 被忽略了（它是 OpenAI 现在的名字，优先于 max_tokens）",
              "prompt_ids": "chat 的 prompt 应是 apply_chat_template(messages, tokenize=False, add_generation_prompt=True) 再编码"})
+    record_case("parse:chat-template")
+    record_case("parse:max_completion_tokens-wins")
     # exactly at every bound: MAX_STOP stop strings, one of MAX_STOP_CHARS characters, MAX_STOP_TOKEN_IDS ids, a message
     # with every allowed key (role, content, name)
     stops = [_text(r, 1) + str(i) for i in range(m.MAX_STOP - 1)] + ["x" * m.MAX_STOP_CHARS]
@@ -239,8 +247,10 @@ def test_parse_request_fields():
     body = {"model": MODEL, "prompt": text, "stop": stops}        # exactly MAX_STOP_TOTAL characters in all
     _fields(_parsed(m, body, False, tok, max_model_len), {"stop": stops}, body,
             {"stop": f"上限是“最多”：合计恰好 {m.MAX_STOP_TOTAL} 个字符的 stop 合法"})
+    record_case("parse:stop-bounds-exact")
     named = [{"role": "user", "content": _text(r, 3), "name": "u1"}]
     _parsed(m, {"model": MODEL, "messages": named}, True, tok, max_model_len)
+    record_case("parse:message-name")
     # a prompt of token ids holds ints only: a bool or a float among them is a 400 naming the prompt
     for bad in ([ids[0], True], [ids[0], 2.5]):
         try:
@@ -250,6 +260,7 @@ def test_parse_request_fields():
         else:
             raise AssertionError(f"prompt={bad!r}（token id 里混了 {type(bad[1]).__name__}）应得到 400，却被收下了；"
                                  f"token id 只能是 int（bool 是 int 的子类，要单独排除）")
+        record_case(f"parse:prompt-ids-with-{type(bad[1]).__name__}")
 
     class Refusing:                                           # a chat template that raises (role order, ...)
         chat_template = "refuses"
@@ -265,6 +276,7 @@ def test_parse_request_fields():
         assert exc.param == "messages", f"chat 模板拒绝 messages 时错误应点名 messages，得到 param={exc.param!r}"
     else:
         raise AssertionError("chat 模板抛异常（例如角色顺序不对）时 parse_request 应转成 RequestError（400，点名 messages）")
+    record_case("parse:template-raises")
 
 
 def _card_deltas(tok, ids: list[int], stops: list[str], hold: int, first_listed: bool = False,
@@ -288,6 +300,8 @@ def _card_deltas(tok, ids: list[int], stops: list[str], hold: int, first_listed:
     return deltas, False
 
 
+UNFINISHED_END = ("结束时没有把剩下的文本全部发出：请求在一个字符的中间结束（最后几个字节凑不成完整的 UTF-8），"
+                  "finished 时 end = len(text)，真不完整的字节发成 U+FFFD，和 tokenizer.decode(全部 token) 一致")
 SEARCH_START = ("stop 只从上一次查过的位置（checked）之后找：跨过新旧文本边界的 stop（开头几个字符在上一步的文本里）找不到；"
                 "stop s 若结束在新文本里，它最早从 checked − len(s) + 1 开始，要从那里找")
 
@@ -305,16 +319,23 @@ def test_text_stream_stops():
     o = r.int(3, 12)                                          # Ω and the 3 characters ending in it complete together
     both = text[:o] + "Ω" + text[o + 1:]
     head = next(j for j in range(2, 5) if "\ufffd" not in text[:j] and text[:j] not in text[1:])  # only at 0
-    cases = [(text, [short, long_stop]), (text, [long_stop, short]), (text, [long_stop]),
-             (both, ["Ω", both[o - 2:o + 1], long_stop]), (text, [long_stop, text[:head]]),   # a stop at position 0
-             (text, [f"#{i}" * r.int(1, 9) for i in range(14)] + [long_stop, short])]   # 16 stops, as eval tools send
-    for text, stops in cases:
-        _check_stream(m, tok, tok.encode(text), stops, r)
+    cut = tok.encode(text) + tok.encode(r.choice("你好世界Ω"))[:-1]     # ends inside a character: finished there
+    cases = [("hold-longest", text, [short, long_stop]), ("earliest-not-first-listed", text, [long_stop, short]),
+             ("held-text-out-when-finished", text, [long_stop]),
+             ("stops-complete-together", both, ["Ω", both[o - 2:o + 1], long_stop]),
+             ("stop-at-0", text, [long_stop, text[:head]]),
+             ("16-stops", text, [f"#{i}" * r.int(1, 9) for i in range(14)] + [long_stop, short]),  # as eval tools send
+             ("finished-inside-a-character", cut, [long_stop])]
+    for label, text, stops in cases:
+        _check_stream(m, tok, text if isinstance(text, list) else tok.encode(text), stops, r)
+        record_case(f"stream:{label}")
+    record_case("stream:stop-straddles-tokens")                 # byte tokens: every stop found spans two or more
     # a vocabulary of tokens of several characters (as a BPE's): a stop inside the very first token is found there,
     # where checked - len(s) + 1 is still negative
     pieces = ["".join(r.choice(list("abcdefgh")) for _ in range(r.int(4, 6))) for _ in range(r.int(6, 10))]
     words = _PieceTokenizer(pieces)
     _check_stream(m, words, list(range(len(pieces))), [pieces[0][1:3], pieces[3] + "#"], r)
+    record_case("stream:multi-char-tokens")
 
 
 class _PieceTokenizer:
@@ -339,9 +360,11 @@ def _check_stream(m, tok, ids: list[int], stops: list[str], r: Rand) -> None:
     if got == want and stream.stopped == stopped:
         return
     hint = ""
-    joined = "".join(got)
-    if "\ufffd" in joined:
+    joined, wanted = "".join(got), "".join(want)
+    if joined.count("\ufffd") > wanted.count("\ufffd"):
         hint = "逐个 token 单独解码再拼接"
+    elif wanted.endswith("\ufffd") and joined == wanted.rstrip("\ufffd"):
+        hint = UNFINISHED_END
     elif got == _card_deltas(tok, ids, stops, max(len(s) for s in stops) - 1, from_checked=True)[0]:
         hint = SEARCH_START          # the stub gives hold: a missed straddling stop is the search's start
     elif got == _card_deltas(tok, ids, stops, 0)[0]:
@@ -387,6 +410,7 @@ def test_text_stream_cost_is_bounded():
     longest = max(tok.sizes, default=0)
     assert 0 < longest <= 8, (f"{len(ids)} 个 token 里，一次 decode 最多拿到了 {longest} 个 token（一个字符至多 4 个字节 = "
                               f"4 个 token，不该超过 8）\n  看起来像易错点：{WHOLE_DECODE}\n  {r}")
+    record_case("stream:decode-cost-bounded")
 
 
 BOOL = "bool 被当成了数字（isinstance(True, int) 为真）"
@@ -408,6 +432,11 @@ STOP_IDS = "stop_token_ids 的个数没有上限：一百万个 id 的请求也�
 MAX_COMPLETION = ("max_completion_tokens 的错误点名了 max_tokens：客户端发的是 max_completion_tokens，"
                   "e01 的 ValueError 里的 max_tokens 要换成客户端用的名字")
 HUGE_TOP_K = "合法的超大 top_k 被拒绝了：top_k 的上限是 2**63（放得进 int64），大于词表只是等于不截断"
+SURROGATE_PART = ("text 分段里的孤立代理字符没有在模板与 tokenizer 之前挡住：_unicode 要查 chat_message 连接之后的 "
+                  "content（分段合起来的文本），只查字符串形式的 content 会漏掉分段")
+CHAT_TOO_LONG = "chat 的 prompt 超过上下文时错误点名了 prompt：chat 请求里没有 prompt 字段，应点名 messages"
+USAGE_KEYS = ("stream_options 里的未知键被悄悄忽略了：stream_options 只能是 {\"include_usage\": bool}，"
+              "别的键（如 continuous_usage_stats）和未知字段一样回 400")
 BAD = [  # (what, endpoint, body, the field the error must name, the classic mistake {status or "code": ...}, code)
     ("非法 JSON", "completions", b'{"model": "tiny", "prompt": ', None, None, "invalid_json"),
     ("嵌套 100000 层的 JSON", "completions", b"[" * 100000 + b"]" * 100000, None, {500: DEEP}, "invalid_json"),
@@ -419,6 +448,9 @@ BAD = [  # (what, endpoint, body, the field the error must name, the classic mis
     ("孤立代理字符的 prompt", "completions", b'{"model": "tiny", "prompt": "a\\ud800b"}', "prompt", {500: SURROGATE}, None),
     ("孤立代理字符的 message", "chat/completions",
      b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}', "messages[0]", {500: SURROGATE}, None),
+    ("孤立代理字符在 text 分段里", "chat/completions",
+     b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "a\\udfffb"}]}]}',
+     "messages[0]", {200: SURROGATE_PART, 500: SURROGATE_PART, "param": SURROGATE_PART}, None),
     ("孤立代理字符的 stop", "completions", b'{"model": "tiny", "prompt": "hi", "stop": ["\\ud800"]}', "stop",
      {500: SURROGATE}, None),
     ("未知字段", "completions", {"prompt": "hi", "temprature": 0.5}, "temprature", "未知字段被悄悄忽略",
@@ -466,9 +498,16 @@ BAD = [  # (what, endpoint, body, the field the error must name, the classic mis
     ("stop 里有空字符串", "completions", {"prompt": "hi", "stop": ["x", ""]}, "stop", EMPTY_STOP, None),
     ("越界的 token id", "completions", {"prompt": [1, 99999]}, "prompt", None, None),
     ("stream 是字符串", "completions", {"prompt": "hi", "stream": "yes"}, "stream", None, "invalid_type"),
+    ("stream_options 里有未知的键", "completions",
+     {"prompt": "hi", "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+     "stream_options", {200: USAGE_KEYS}, None),
     ("stream_options 没有 stream", "completions", {"prompt": "hi", "stream_options": {"include_usage": True}},
      "stream_options", None, None),
     ("空 messages", "chat/completions", {"messages": []}, "messages", None, None),
+    ("缺 messages", "chat/completions", {}, "messages", None, None),
+    ("超长的 chat prompt（按 token 数）", "chat/completions",
+     {"messages": [{"role": "user", "content": "a" * MAX_MODEL_LEN}]}, "messages", {"param": CHAT_TOO_LONG},
+     "context_length_exceeded"),
     ("未知的 role", "chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0]", None, None),
     ("message 的 content 是数字", "chat/completions", {"messages": [{"role": "user", "content": 5}]},
      "messages[0]", {200: CONTENT, 500: CONTENT}, None),
@@ -550,6 +589,7 @@ def test_bad_requests_get_400():
     stream, out = _background_stream(url, 64)
     with httpx.Client(base_url=url, timeout=30) as client:
         for what, endpoint, body, field, mistake, code in cases:
+            record_case(f"bad:{what}")
             if isinstance(body, dict):
                 # a short max_tokens unless the case is about it: a mistake that accepts the request must not
                 # spend the check's time generating the whole context
@@ -563,19 +603,25 @@ def test_bad_requests_get_400():
             assert error.get("param") == field, (f"「{what}」的错误应点名字段 {field!r}，param 是 {error.get('param')!r}"
                                                  + (f"\n  看起来像易错点：{mistake['param']}"
                                                     if mistake.get("param") else ""))
+            if code is None and field is not None:      # a field's value, not its JSON type: the default code
+                code = "invalid_value"
+                record_case("code:invalid_value-default")
             assert code is None or error["code"] == code, (f"「{what}」的 code 应为 {code!r}，得到 {error['code']!r}"
                                                            + (f"\n  看起来像易错点：{mistake['code']}"
                                                               if mistake.get("code") else ""))
         wrong = client.post("/v1/completions", json={"model": "gpt-4", "prompt": "hi"})
         error = _openai_error(wrong, "未知模型", 404)
         assert error["param"] == "model" and error["code"] == "model_not_found", f"未知模型：{wrong.text}"
+        record_case("model:unknown-404")
         for media in ("text/plain", None):      # a text/plain POST needs no CORS preflight: any web page could send it
             headers = {"Content-Type": media} if media else {}
             a = client.post("/v1/completions", content=json.dumps({"model": MODEL, "prompt": "hi"}), headers=headers)
             _openai_error(a, f"Content-Type {media or '缺失'} 的请求", 415,
                           "只收 application/json：text/plain 的 POST 不需要 CORS 预检，任何网页都能让浏览器替它发请求")
+            record_case(f"media:{media or 'missing'}-415")
         _openai_error(client.post("/v1/nothing", json={}), "未知路径 POST /v1/nothing", 404)
         _openai_error(client.get("/v1/completions"), "GET /v1/completions（方法不对）", 405)
+        record_case("route:unknown-404-method-405")
         tokens = []
         for t in (0, 1e-40):                    # 1e-40 is 0 in fp32: logits / T = inf, NaN probabilities
             a = client.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 6,
@@ -584,6 +630,7 @@ def test_bad_requests_get_400():
             tokens.append(a.json()["choices"][0]["token_ids"])
         assert tokens[0] == tokens[1], (f"temperature=1e-40 应与 greedy（0）相同，得到 {tokens[1]}，greedy {tokens[0]}"
                                         "\n  看起来像易错点：极小的正 temperature 没有当成 greedy（e01 的 SamplingParams）")
+        record_case("temperature:1e-40-is-greedy")
         seed, runs = r.int(0, 10**6), {}
         for k in (0, 2**40, 2**63 - 1):         # larger than the vocabulary: no cut, the same tokens as top_k = 0
             a = client.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 6, "top_k": k,
@@ -594,8 +641,10 @@ def test_bad_requests_get_400():
             runs[k] = a.json()["choices"][0]["token_ids"]
         assert runs[2**40] == runs[0] == runs[2**63 - 1], (f"seed={seed}：top_k=2**40、2**63 − 1（大于词表）应与 top_k=0 "
                                                            f"（不截断）采出同样的 token，得到 {runs}\n  {r}")
+        record_case("top_k:huge-is-no-cut")
         stream.join(30)
         _assert_stream_completed(out, 64, "坏请求期间")
+        record_case("bad:stream-unaffected")
         assert client.get("/health").json()["status"] == "ok", "坏请求之后服务应仍然健康"
         ok = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3,
                                                   "ignore_eos": True})     # random weights may sample eos first
@@ -638,6 +687,7 @@ def test_host_and_framing():
     for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "LOCALHOST"):
         status, body, _ = _raw(url, f"GET /health HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
         assert status == 200, f"Host: {host} 是本机的名字，/health 应得到 200，得到 {status} {body}"
+        record_case("host:loopback:" + host.replace(f":{port}", ""))
     evil = r.choice(["attacker.example", "rebind.attacker.example", "192.168.1.7", "[::2]"])
     for path, method, extra in (("/health", "GET", b""), ("/v1/completions", "POST",
                                 b"Content-Type: application/json\r\nContent-Length: 33\r\n\r\n"
@@ -648,6 +698,7 @@ def test_host_and_framing():
         assert status in (400, 403) and error.get("code"), (
             f"{method} {path}，Host: {evil}:{port}（DNS rebinding：网页的域名解析到了 127.0.0.1，浏览器发的仍是网页自己的域名）"
             f"应得到 OpenAI 格式的 400/403，得到 {status} {body}")
+        record_case(f"host:rebinding-{method}")
     smuggle = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
                b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
@@ -655,6 +706,7 @@ def test_host_and_framing():
     assert status == 400 and (body.get("error") or {}).get("code"), \
         f"同时带 Content-Length 与 Transfer-Encoding: chunked 的请求（RFC 9112 §6.1）应得到 400，得到 {status} {body}"
     assert closed, "同时带 Content-Length 与 chunked 的请求被拒绝之后，连接应关闭（后面的字节不能被当成下一个请求）"
+    record_case("framing:content-length-and-chunked")
     assert _health(url)["status"] == "ok"
 
 
@@ -707,6 +759,7 @@ def test_large_requests():
         a = client.post("/v1/completions", json={"model": MODEL, "prompt": "a" * (limit + 1000)})
         _openai_error(a, f"{limit + 1000} 字节的 body（上限 MAX_BODY_BYTES = {limit}）", 413,
                       "没有限制 body 的大小：整个 body 读进内存、json.loads、再交给 tokenizer")
+        record_case("large:body-413")
         n = bound + 1000
         half = [{"type": "text", "text": "a" * (n // 2)}] * 2      # text parts: each half the bound, together over it
         for endpoint, body, field, form in (
@@ -723,11 +776,13 @@ def test_large_requests():
             assert watched.longest < n, (f"{n} 个字符的 {field}（{form}）被交给了 tokenizer（一个 token 最多 "
                                          f"{bound // MAX_MODEL_LEN} 个字符，它不可能放进 {MAX_MODEL_LEN} 个 token）"
                                          f"\n  看起来像易错点：{PARTS_BOUND if parts else 'tokenize 之前没有按字符数挡住超长的 prompt'}")
+            record_case(f"large:char-bound-{endpoint.split('/')[0]}-{'parts' if parts else 'string'}")
         fits = "<|im_start|>" * 1000            # 12000 characters but 1000 tokens: characters are not tokens
         a = client.post("/v1/completions", json={"model": MODEL, "prompt": fits, "max_tokens": 2})
         assert a.status_code == 200, (f"12000 个字符、1000 个 token 的 prompt 放得进 {MAX_MODEL_LEN} 的上下文，"
                                       f"却被拒绝：{a.text[:300]}\n  看起来像易错点：把字符数当成了 token 数"
                                       "（字符上限要用 longest_token(tokenizer)，一个特殊 token 就有十几个字符）")
+        record_case("large:characters-are-not-tokens")
 
     watched.slow = 2.0
     slow = threading.Thread(target=lambda: httpx.post(url + "/v1/completions", timeout=30,
@@ -743,6 +798,7 @@ def test_large_requests():
     watched.slow = 0.0
     assert max(waits) < 1.0, (f"tokenizer 花 2 s 编码一个 prompt 时，/health 等了 {max(waits):.2f} s：整个服务停住了"
                               "\n  看起来像易错点：在事件循环上 tokenize（json.loads、parse_request 要放到工作线程里）")
+    record_case("large:tokenize-off-the-event-loop")
 
 
 @point("openai 客户端：completion 与 chat、流式与非流式，token 与同一 seed 的 LLM.generate 逐个相同，usage 正确")
@@ -750,11 +806,12 @@ def test_openai_client_matches_generate():
     e01 = impl("e01_sampling")
     url, r = _live(), Rand()
     client, tok = _client(url), _oracle().tokenizer
+    top_ks = r.py.sample([-1, 0, 50, r.choice([-1, 0, 50])], 4)    # each form of top_k on every run
     for chat in (False, True):
         for stream in (False, True):
             what = f"{'chat' if chat else 'completion'}（stream={stream}）"
             user, s = _text(r, r.int(3, 20)), _sampling(r, r.int(4, 24))
-            s["extra_body"]["top_k"] = top_k = r.choice([-1, 0, 50])
+            s["extra_body"]["top_k"] = top_k = top_ks.pop()
             if chat:
                 messages = [{"role": "system", "content": "简短回答"}, {"role": "user", "content": user}]
                 prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -791,8 +848,17 @@ def test_openai_client_matches_generate():
             expect = (len(ref.prompt_token_ids), len(ref.token_ids), len(ref.prompt_token_ids) + len(ref.token_ids))
             got = (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens)
             assert got == expect, f"{what}：usage (prompt, completion, total) 应为 {expect}，得到 {got}"
+            record_case(f"client:{'chat' if chat else 'completion'}-{'stream' if stream else 'unary'}")
+            record_case(f"client:top_k={top_k}")
+            if chat and stream:
+                record_case("client:chat-role-frame")
+                record_case("client:max_completion_tokens-wins")
     models = client.models.list()
     assert [x.id for x in models.data] == [MODEL], f"/v1/models 应列出 {MODEL!r}：{models}"
+
+
+KEPT_REQUESTS = ("结束的请求没有从 llm.requests 里删掉：_loop 把 finished 的请求从 handles 和 llm.requests 里都删掉"
+                 "（generate 自己会取走结果，服务里没人取），否则每个请求都留下它的 Sequence，内存越用越多")
 
 
 @point("32 个并发的流式客户端全部完成，各自的输出正确")
@@ -820,6 +886,7 @@ def test_concurrent_streams():
         _same(f"并发客户端 {i}", ids, text, ref, r)
     h = _wait_idle(url)
     assert h["free_blocks"] == h["total_blocks"], f"32 个请求结束后 block 没有全部归还：{h}"
+    record_case("concurrent:32-streams")
 
 
 def _leave(url: str, r: Rand, streams: int, unary: bool, max_tokens: int) -> tuple[dict, dict, int]:
@@ -873,8 +940,10 @@ def test_disconnect_aborts():
         assert h["free_blocks"] == h["total_blocks"] == before["total_blocks"], f"{what}留下了没归还的 block：{h}"
         assert h["pending"] == 0, f"{what}它们仍计在 pending 里：{h}"
         assert h.get("gdn_free_slots", 0) == h.get("gdn_slots", 0), f"{what}GDN 状态槽位没有全部归还：{h}"
+        record_case(f"disconnect:{family}-streams" + ("+unary" if unary else ""))
     assert "gdn_slots" in h, f"混合模型的 /health 应报告 GDN 槽位（AsyncEngine.stats）：{h}"
     _leave_before_accept(impl(MODULE))
+    record_case("disconnect:before-the-engine-took-it")
     _leave_before_body(impl(MODULE))
 
 
@@ -951,6 +1020,7 @@ def test_burst_gets_503():
     later = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=30)
     assert later.status_code == 200, f"突发过后服务应恢复正常，得到 {later.status_code}: {later.text}"
     assert h["free_blocks"] == h["total_blocks"], f"突发过后 block 没有全部归还：{h}"
+    record_case("burst:503-retry-after-then-normal")
 
 
 ADMISSION = "准入的比较差一位：在途恰好 max_pending 个时才算满（pending >= max_pending 时拒绝，判断在 pending += 1 之前）"
@@ -1002,6 +1072,7 @@ def test_admission_bound_is_exact():
             assert pending == i, (f"第 {i} 个请求被收下（引擎停在一步里，它还在等引擎的回答），/health 的在途计数应为 "
                                   f"{i}，得到 {pending}：add 判断名额之后马上 pending += 1，再发命令、等回答")
             admitted.append(task)
+            record_case("admission:below-the-bound-admitted")
             if i == 1:
                 await _until(inside.is_set, 5)
         extra = send(bound + 1)
@@ -1012,6 +1083,7 @@ def test_admission_bound_is_exact():
         over = extra.result()
         _openai_error(over, f"在途 {bound} 个（= 上限）时的第 {bound + 1} 个请求", 503)
         assert over.headers.get("retry-after"), "503 应带 Retry-After 头"
+        record_case("admission:at-the-bound-503")
         gate.set()
         return await asyncio.gather(*admitted)
 
@@ -1065,6 +1137,7 @@ def test_finish_reason():
             assert a.status_code == 200, f"{what}：{a.status_code} {a.text[:300]}"
             got = a.json()["choices"][0]["finish_reason"]
             assert got == want, f"{what}：finish_reason 应为 {want!r}，得到 {got!r}{why}"
+            record_case(f"finish:{what}")
         last["token"] = eos                     # the first case once more, streamed
         body = {"model": MODEL, "prompt": _text(r, r.int(2, 8)), "max_tokens": r.int(2, 5), "temperature": 0,
                 **cases[0][1], "stream": True}
@@ -1073,6 +1146,11 @@ def test_finish_reason():
         finishes = [c["choices"][0]["finish_reason"] for c in map(lambda f: json.loads(f[6:]), frames)
                     if c.get("choices") and c["choices"][0].get("finish_reason")]
         assert finishes == ["length"], f"流式的 {cases[0][0]}：finish_reason 应为 ['length']，得到 {finishes}{cases[0][4]}"
+        record_case("finish:stream-ignore_eos-eos-length")
+
+
+EMPTY_FRAMES = ("增量为空也发了帧：run_request 只在 delta 非空时 yield (delta, None)（扣住 stop、半个字符的那几步没有新文本），"
+                "结束的那一帧才可以没有文本")
 
 
 @point("stop 字符串与 stop token id：在 stop 处截断（流式也不漏出前半截），finish_reason 为 stop")
@@ -1097,21 +1175,33 @@ def test_stop_strings_and_ids():
         if stream:
             chunks = [c.choices[0] for c in out]
             got, finish = "".join(c.text for c in chunks), chunks[-1].finish_reason
+            empty = sum(not c.text and not c.finish_reason for c in chunks)
+            assert not empty, (f"stop={stop!r} 的流里有 {empty} 帧既没有文本也没有 finish_reason（stop 扣住文本的那几步）"
+                               f"\n  看起来像易错点：{EMPTY_FRAMES}")
+            record_case("stop-string:no-empty-frames")
         else:
             got, finish = out.choices[0].text, out.choices[0].finish_reason
         hint = ("\n  看起来像易错点：流式输出先漏出了 stop 字符串的前半截（没有留出 len(stop) - 1 个字符的缓冲）"
                 if stream and got.startswith(want) and stop.startswith(got[len(want):]) and got != want else "")
         assert got == want and finish == "stop", (f"stop={stop!r}（stream={stream}）：应得到 {want!r} 与 "
                                                   f"finish_reason 'stop'，得到 {got!r} / {finish!r}{hint}\n  {r}")
+        record_case(f"stop-string:{'stream' if stream else 'unary'}")
     k = r.int(3, len(ids) - 1)
     cut = ids.index(ids[k]) + 1
     s["extra_body"]["stop_token_ids"] = [ids[k]]
     out = client.completions.create(model=MODEL, prompt=prompt, **s).choices[0]
     assert out.model_extra["token_ids"] == ids[:cut] and out.finish_reason == "stop", \
         f"stop_token_ids=[{ids[k]}]：应停在第 {cut} 个 token（含），得到 {out.model_extra['token_ids']} / {out.finish_reason}"
+    record_case("stop-token-id")
     h = _wait_idle(url)
-    assert h["unfinished"] == 0 and h["free_blocks"] == h["total_blocks"], \
-        f"命中 stop 字符串后引擎里的请求应被 abort：{h}\n  看起来像易错点：客户端断开（或提前结束）时没有 abort 引擎里的请求"
+    # /health's unfinished counts llm.requests: the scheduler done while it is not 0 means finished requests stayed
+    kept = h["unfinished"] and not _server()[1].llm.has_unfinished()
+    assert h["unfinished"] == 0 and h["free_blocks"] == h["total_blocks"], (
+        f"命中 stop 字符串后引擎里的请求应被 abort：{h}\n  看起来像易错点："
+        + (f"{KEPT_REQUESTS}（调度器里已经没有请求，llm.requests 里还留着 {h['unfinished']} 个）" if kept else
+           "客户端断开（或提前结束）时没有 abort 引擎里的请求"))
+    record_case("stop-string:engine-request-aborted")
+    record_case("engine:finished-leave-llm.requests")
 
 
 @point("卡片例子：“你好，世界”逐字节的增量文本与 stop 字符串，以及 3 个 token 的 SSE 帧")
@@ -1135,10 +1225,12 @@ def test_card_example():
     elif "，" in "".join(deltas):
         hint = "\n  看起来像易错点：流式输出先漏出了 stop 字符串的前半截（没有留出 len(stop) - 1 个字符的缓冲）"
     assert deltas == want and stream.stopped, f"TextStream(stop=['，世']) 逐字节的增量：得到 {deltas}，期望 {want}{hint}"
+    record_case("card:text-stream-stop")
     plain = m.TextStream(tok, [])
     got = [plain.push(t, finished=i == len(ids) - 1) for i, t in enumerate(ids)]
     want = ["", "", "你", "", "", "好", "", "", "，", "", "", "世", "", "", "界"]
     assert got == want, f"TextStream(没有 stop) 逐字节的增量：得到 {got}，期望 {want}"
+    record_case("card:text-stream-no-stop")
 
     url = _live()
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "temperature": 0, "stream": True,
@@ -1155,6 +1247,23 @@ def test_card_example():
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 3,
                                                                   "total_tokens": 5}, f"usage chunk：{chunks[-1]}"
     assert {c["object"] for c in chunks} == {"text_completion"} and len({c["id"] for c in chunks}) == 1, chunks
+    record_case("card:sse-3-tokens-usage")
+    del body["stream_options"]                  # the card: no usage frame without stream_options
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as resp:
+        frames = [f for f in resp.read().decode().split("\n\n") if f]
+    chunks = [json.loads(f[6:]) for f in frames[:-1]]
+    assert frames[-1] == "data: [DONE]" and not any("usage" in c for c in chunks), (
+        f"不带 stream_options 时流里不应有 usage 帧（include_usage 为假），得到 {frames[-2:]}"
+        f"\n  看起来像易错点：{USAGE_ALWAYS}")
+    record_case("card:sse-no-usage-without-stream-options")
+    a = httpx.post(url + "/v1/completions", json={**body, "stream": False}, timeout=30).json()
+    assert a.get("object") == "text_completion" and [c["text"] for c in a.get("choices", [])] == ["iii"] \
+        and a.get("usage") == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}, \
+        f"卡片例子的 \"stream\": false：一个 JSON，choices[0].text = 'iii'，usage 2 + 3 = 5，得到 {a}"
+    record_case("card:unary-iii")
+
+
+USAGE_ALWAYS = "没有 stream_options 也发了 usage 帧：usage 帧只在 include_usage 为真时发（sse_frames 的 else 分支里查 req.include_usage）"
 
 
 class _Patched:
@@ -1226,6 +1335,7 @@ def test_engine_step_failure():
     assert SECRET not in unary.text and not any(SECRET in f for f in frames), \
         f"引擎的异常文本被发给了客户端：{unary.text[:200]} / {frames[-2:]}\n  看起来像易错点：500 的 message 用了 str(exc)"
     _openai_error(unary, "step() 失败时在途的非流式请求", 500)
+    record_case("step-fails:unary-500-no-text")
     chunks = [json.loads(f[6:]) if f.startswith("data: {") else None for f in frames]
     at = next((i for i, c in enumerate(chunks) if isinstance(c, dict) and "error" in c), None)
     after = frames[at + 1:] if at is not None else []
@@ -1238,6 +1348,7 @@ def test_engine_step_failure():
     assert tail[-1:] == ["data: [DONE]"] and isinstance(error, dict) and error.get("message"), (
         f"200 之后出的错要写进流里：一帧 data: {{\"error\": {{...}}}}，再 data: [DONE]；得到最后两帧 {tail}"
         "\n  看起来像易错点：sse_frames 没有把 run_request 的异常变成 SSE 错误事件（流被直接截断）")
+    record_case("step-fails:stream-error-frame-then-done")
     leaked = h["free_blocks"] < h["total_blocks"]
     assert h["unfinished"] == 0 and not leaked, (f"step() 失败后在途的请求应被 abort：{h}" + (
         "\n  看起来像易错点：出错的请求没有 llm.abort（答复已经发出，请求却还留在引擎里或占着 block）"
@@ -1245,6 +1356,7 @@ def test_engine_step_failure():
     assert h["pending"] == 0, f"step() 失败、引擎空闲之后在途计数应归零：{h}"
     ok = httpx.post(url + "/v1/completions", json={**body, "max_tokens": 3}, timeout=30)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3, f"出错之后的正常请求：{ok.text}"
+    record_case("step-fails:aborted-then-serves")
 
 
 async def _until(ready, seconds: float = 10) -> None:
@@ -1282,6 +1394,7 @@ def test_add_request_failure():
             _openai_error(a, what, 500, ADD_ERROR_400 if a.status_code == 400 else None)
             assert SECRET not in a.text, \
                 f"{what}：异常文本被发给了客户端：{a.text[:200]}\n  看起来像易错点：500 的 message 用了 str(exc)"
+            record_case(f"add-fails:non-value-error-500-{'stream' if stream else 'unary'}")
     h = _wait_idle(url, 5, until_engine_idle=True)
     assert h["status"] == "ok", f"add_request 抛异常之后引擎线程应照常运行：{h}\n  看起来像易错点：{ADD_ONLY_VALUE}"
     assert h["pending"] == 0, (f"两个请求都被引擎拒绝了（500），在途计数却是 {h['pending']}\n  看起来像易错点："
@@ -1289,6 +1402,7 @@ def test_add_request_failure():
     ok = httpx.post(url + "/v1/completions", json=body, timeout=30)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3, \
         f"add_request 抛过异常之后的正常请求应照常完成，得到 {ok.status_code}: {ok.text[:200]}"
+    record_case("add-fails:loop-keeps-serving")
 
 
 @point("被引擎拒绝的请求（400）不占准入名额：连续 9 个之后服务照常收下请求")
@@ -1307,6 +1421,7 @@ def test_refused_requests_free_their_slot():
                                    "引擎拒绝的请求（add 收到 add_request 的 ValueError）没有 release")
         ok = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "ignore_eos": True})
         assert ok.status_code == 200, f"拒绝过的请求之后应照常收下请求，得到 {ok.status_code}: {ok.text[:200]}"
+        record_case("refused:value-error-400-releases")
 
 
 @point("引擎线程在两步之间取完全部命令：同时到达的请求进入同一步")
@@ -1350,6 +1465,7 @@ def test_commands_batched_per_step():
     assert len(set(added[1:])) == 1, (f"{k} 个请求在同一步期间到达，应在下一步之前全部 add_request（同一个步数），"
                                       f"实际 add_request 时的步数 {added[1:]}\n  看起来像易错点：_apply_commands 没有一次"
                                       "取完队列里的命令（每次只取一个：要一直取到 queue.Empty），请求一步一个地进入引擎")
+    record_case("commands:all-between-two-steps")
 
 
 N_REFUSED = "n > 1 仍被拒绝：parse_request 不再查 n（n 的范围由给出的 output_options 查，n 个样本由 build_app 拆成 n 个引擎请求）"
@@ -1377,12 +1493,15 @@ def test_n_choices():
         _same(f"n = {n} 的 choice {c.index}（seed + {c.index}）", (c.model_extra or {}).get("token_ids"), c.text,
               refs[c.index], r)
     assert out.usage.completion_tokens == sum(len(ref.token_ids) for ref in refs), f"usage 应计入每个 choice：{out.usage}"
+    record_case("n:seed+i-per-choice")
     again = client.completions.create(model=MODEL, prompt=prompt, n=n, **s)
     assert {c.index: c.text for c in again.choices} == {c.index: c.text for c in out.choices}, \
         "同一个带 seed 的 n > 1 请求重跑一次，n 个样本应与第一次相同"
+    record_case("n:rerun-same")
     full = (len(tok.encode(prompt)) - 1) // _oracle().config.block_size
     assert hits >= (n - 1) * full, (f"n = {n} 个样本的 prompt 相同（{full} 个可共享的整块），prefix cache 应命中至少 "
                                     f"{(n - 1) * full} 块，得到 {hits}")
+    record_case("n:prefix-cache-shared")
     chunks = list(client.completions.create(model=MODEL, prompt=prompt, n=n, stream=True,
                                             stream_options={"include_usage": True}, **s))
     order = [ch.index for c in chunks for ch in c.choices]
@@ -1400,8 +1519,10 @@ def test_n_choices():
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == out.usage.completion_tokens, \
         f"流式 n = {n}：最后一帧的 usage 应计入每个 choice：{chunks[-1]}"
     assert len({c.id for c in chunks}) == 1, "流式 n > 1：所有帧的 id 应相同"
+    record_case("n:stream-interleaved")
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], n=n, **s)
     assert sorted(c.index for c in chat.choices) == list(range(n)), f"chat n = {n}：{chat.choices}"
+    record_case("n:chat")
     h = _wait_idle(url)
     assert h["pending"] == 0 and h["free_blocks"] == h["total_blocks"], f"n > 1 的请求结束后：{h}"
 
@@ -1428,6 +1549,8 @@ def test_content_parts_and_developer():
         f"developer + 分段的 content 应与 system + 换行连接的字符串得到同一个 prompt：prompt_tokens "
         f"{split.usage.prompt_tokens} ≠ {plain.usage.prompt_tokens}")
     assert split.choices[0].model_extra["token_ids"] == plain.choices[0].model_extra["token_ids"], "greedy 的输出应相同"
+    record_case("chat:text-parts-joined")
+    record_case("chat:developer-is-system")
 
 
 @functools.lru_cache(maxsize=None)
@@ -1465,11 +1588,11 @@ def test_logprobs_match_hf():
         url, hf, _ = _hf_server(family)
         r, client = Rand(), _client(url)
         prompt = [r.int(0, 255) for _ in range(r.int(34, 60))]
-        first = r.choice([False, True])
+        first, temps = r.choice([False, True]), r.py.sample([0.5, 1.5], 2)
         for attempt, stream in ((0, first), (1, not first)):   # both modes on every run; the second hits the cache
             k = r.int(1, 5)
             # ignore_eos: exactly max_tokens tokens, a count that comes from the request, not from the answer
-            s = dict(max_tokens=r.int(3, 8), temperature=r.choice([0.5, 1.5]), seed=r.int(0, 10**6), logprobs=k,
+            s = dict(max_tokens=r.int(3, 8), temperature=temps[attempt], seed=r.int(0, 10**6), logprobs=k,
                      echo=True, extra_body={"return_token_ids": True, "top_k": 3, "ignore_eos": True})
             what = f"{family}：completions logprobs={k} echo（第 {attempt + 1} 次，stream={stream}）"
             out = client.completions.create(model=MODEL, prompt=prompt, stream=stream, **s)
@@ -1493,6 +1616,10 @@ def test_logprobs_match_hf():
             _close(what, lp[1:], ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])], r)
             tops = [t for c in choices if c.logprobs for t in c.logprobs.top_logprobs][1:]
             _close(f"{what} 的 top_logprobs 之首", [max(t.values()) for t in tops], ref[:-1].max(-1).values, r)
+            record_case(f"logprobs:{family}-echo-{'stream' if stream else 'unary'}")
+            record_case(f"logprobs:temperature-{s['temperature']}")
+            if attempt:
+                record_case("logprobs:echo-prefix-cache-hit")
         if family == "qwen3":                     # lm-evaluation-harness's local-completions: a batch of prompts
             batch = [[r.int(0, 255) for _ in range(r.int(5, 20))] for _ in range(r.int(2, 3))]
             out = client.completions.create(model=MODEL, prompt=batch, echo=True, logprobs=1, max_tokens=1,
@@ -1506,6 +1633,7 @@ def test_logprobs_match_hf():
                 assert c.logprobs.token_logprobs[0] is None, f"{what}：choice {c.index} 的第一项应是 null"
                 _close(f"{what} 的 choice {c.index}", c.logprobs.token_logprobs[1:],
                        ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])], r)
+            record_case("logprobs:lm-eval-batch-of-prompts")
         messages = [{"role": "user", "content": _text(r, r.int(3, 12))}]
         k = r.int(0, 20)
         out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=r.int(3, 6), temperature=1.3,
@@ -1524,6 +1652,7 @@ def test_logprobs_match_hf():
             assert len(c.top_logprobs) == k, f"{what}：第 {i} 个 token 的 top_logprobs 应有 {k} 项，得到 {len(c.top_logprobs)}"
             _close(f"{what} 第 {i} 个 token 的 top_logprobs", [t.logprob for t in c.top_logprobs],
                    ref[i].topk(k).values, r)
+        record_case(f"logprobs:{family}-chat-top_logprobs")
 
 
 def _leave_before_body(m) -> None:
@@ -1569,5 +1698,6 @@ def _leave_before_body(m) -> None:
                 f"n = {n}：客户端在 add 之后、流式响应开始之前离开（Starlette 不再启动响应体），pending = {pending}，"
                 f"引擎里{'还有请求在算' if unfinished else '已经空闲'}：响应体的生成器从没运行，run_request 的 finally 也就不会运行；"
                 "给出的 ReleasingStream 在响应结束时（无论怎样结束）release 每个 choice")
+            record_case(f"disconnect:before-the-body-n={n}")
     finally:
         engine.shutdown()

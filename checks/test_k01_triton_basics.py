@@ -13,7 +13,8 @@ import contextlib
 
 import torch
 
-from checks.kit import DEVICE, GuardedAlloc, Rand, assert_close, assert_equal, impl, needs_cuda, point, to_cpu, to_dev
+from checks.kit import (DEVICE, GuardedAlloc, Rand, assert_close, assert_equal, impl, needs_cuda, point, record_case,
+                        to_cpu, to_dev)
 
 MODULE = "k01_triton_basics"
 torch.set_num_threads(1)
@@ -39,6 +40,7 @@ M_OUT_DTYPE = ("输出 dtype 照 m01：Qwen3 norm 是 w * n.to(x.dtype)，dtype 
 M_X_STRIDE = "把 x 的行步长当成了 H：x 可以是更宽张量的列切片（x.stride(0) > H），应把 x2.stride(0) 传进 kernel"
 M_GRID_DOWN = "最后几行没有被归一化：grid 向下取整了，应为 cdiv(R, ROWS)（R 不是 ROWS 的整数倍）"
 M_ROW_MASK = "最后一个 program 多出来的行没有 mask（行 mask rows < R）：写到了输出张量之外"
+M_EMPTY = "N = 0（没有新 token）时 store_kvcache 应什么都不做：launcher 里对空的 slot_mapping / k 求 max、取 k[0] 之类会出错"
 M_SHAPE = "输出要与 x 同形状 [..., H]（kernel 按 [R, H] 写，返回前 view 回 x.shape）"
 
 
@@ -48,8 +50,8 @@ def _guarded_caches(num_blocks: int, page: int, nkv: int, d: int, dtype=torch.fl
     return bufs, [b[1:-1] for b in bufs]
 
 
-def _store_case(r: Rand, dtype=torch.float32, device=DEVICE, n=None, pad=True):
-    nkv, d, page = r.choice([1, 3]), r.choice([24, 48]), r.choice([16, 32])       # D never a power of 2
+def _store_case(r: Rand, dtype=torch.float32, device=DEVICE, n=None, pad=True, nkv=None):
+    nkv, d, page = nkv or r.choice([1, 3]), r.choice([24, 48]), r.choice([16, 32])   # D never a power of 2
     n = n or r.int(3, 24)
     num_blocks = (n + page - 1) // page + r.int(1, 3)
     nh = nkv * r.int(1, 3)
@@ -77,17 +79,35 @@ def _expected_caches(bufs, k, v, slots, skip_zero=False):
 @point("store_kvcache 写入正确的槽位")
 def test_store_kvcache_slots():
     m = impl(MODULE)
-    for slot_dtype in (torch.int64, torch.int32):
+    # int64 with nKV = 3 (BLOCK = 4: the head mask matters), int32 with a random nKV; D is 24 or 48 on both
+    for slot_dtype, nkv in ((torch.int64, 3), (torch.int32, None)):
         r = Rand()
-        k, v, slots, nb, page = _store_case(r, pad=False)
+        k, v, slots, nb, page = _store_case(r, pad=False, nkv=nkv)
         bufs, (kc, vc) = _guarded_caches(nb, page, k.shape[1], k.shape[2])
         exp = _expected_caches(bufs, k, v, slots)
         m.store_kvcache(k.contiguous(), v.contiguous(), kc, vc, slots.to(slot_dtype))
         no_zero = _expected_caches(bufs, k, v, slots, skip_zero=True)
-        assert_equal(bufs[0], exp[0], what=f"k_cache（slot_mapping {slot_dtype}）", rand=r,
-                     looks_like=[(no_zero[0], M_SLOT_ZERO)])
-        assert_equal(bufs[1], exp[1], what=f"v_cache（slot_mapping {slot_dtype}）", rand=r,
-                     looks_like=[(no_zero[1], M_SLOT_ZERO)])
+        what = f"slot_mapping {slot_dtype}，nKV = {k.shape[1]}，D = {k.shape[2]}"
+        assert_equal(bufs[0], exp[0], what=f"k_cache（{what}）", rand=r, looks_like=[(no_zero[0], M_SLOT_ZERO)])
+        assert_equal(bufs[1], exp[1], what=f"v_cache（{what}）", rand=r, looks_like=[(no_zero[1], M_SLOT_ZERO)])
+        record_case("store:slots-" + str(slot_dtype).removeprefix("torch."))
+        record_case("store:slot-zero")
+        record_case("store:D-not-pow2")
+        if k.shape[1] == 3:
+            record_case("store:nKV-not-pow2")
+    # N = 0 (no new token): nothing is written, nothing fails
+    r = Rand()
+    k, v, slots, nb, page = _store_case(r, pad=False)
+    bufs, (kc, vc) = _guarded_caches(nb, page, k.shape[1], k.shape[2])
+    before = [b.clone() for b in bufs]
+    try:
+        m.store_kvcache(k[:0].contiguous(), v[:0].contiguous(), kc, vc, slots[:0])
+    except Exception as exc:
+        raise AssertionError(f"store_kvcache 在 N = 0（k [0, {k.shape[1]}, {k.shape[2]}]、slot_mapping 为空）时出错："
+                             f"{type(exc).__name__}: {exc}；{r}\n  {M_EMPTY}") from exc
+    for got, want, name in zip(to_cpu(*bufs), to_cpu(*before), ("k_cache", "v_cache")):
+        assert torch.equal(got, want), f"{name}：N = 0 时 cache 被改写了；{r}\n  {M_EMPTY}"
+    record_case("store:N=0")
 
 
 @point("slot = −1 的填充行不写")
@@ -108,6 +128,7 @@ def test_store_kvcache_skips_padding():
             hint = f"\n  看起来像易错点：{M_SLOT_ZERO}" if torch.equal(got, skipped) else ""
             raise AssertionError(f"{name}：slot_mapping 含 −1 时 cache 内有槽位与参考不同"
                                  f"（slots = {slots.tolist()}）；{r}{hint}")
+    record_case("store:pad-minus-one")
 
 
 @point("store_kvcache 处理非连续的 k/v（qkv 切出的 view、D 维不连续的 view）")
@@ -117,6 +138,7 @@ def test_store_kvcache_strided_views():
     k, v, slots, nb, page = _store_case(r)
     assert not k.is_contiguous()
     _store_strided(m, r, k, v, slots, nb, page)
+    record_case("store:qkv-view")
     # The same k/v with a D that is not contiguous: a kernel that assumes d is contiguous (+ dims) reads other
     # elements. Four layouts, each given to k once and to v once, so every launcher guard meets each of them.
     layouts = {"D-major（stride(1) = 1）": lambda t: t.permute(2, 0, 1).contiguous().permute(1, 2, 0),
@@ -137,6 +159,7 @@ def test_store_kvcache_strided_views():
                 raise AssertionError(f"{name}：k/v 的 D 维不连续时写入的内容不对（k：{kname}，stride {tuple(kk.stride())}；"
                                      f"v：{vname}，stride {tuple(vv.stride())}），qkv 切出的 view 是对的；{r}\n"
                                      f"  看起来像易错点：{M_D_STRIDE}")
+    record_case("store:D-strided")
 
 
 def _every_other_column(t):
@@ -254,6 +277,19 @@ def test_add_rms_norm_protocol_fp32():
                 assert_close(out, ref, what=name, rand=r, looks_like=looks)
                 if s is not None:
                     assert_close(s, ref_s, what=f"{name} 返回的 residual", rand=r, looks_like=[(res, M_RES_OUT)])
+                record_case(f"norm:gemma={gemma},residual={'none' if residual is None else 'given'}")
+                record_case("norm:tiny-norm-row")
+                if len(shape) > 2:
+                    record_case("norm:3d-leading")
+                if sliced:
+                    record_case("norm:x-column-slice")
+                if hidden & (hidden - 1):
+                    record_case("norm:H-not-pow2")
+                if hidden > 2048:
+                    record_case("norm:H>2048")
+                rows_per = max(1, min(16, 2048 // triton_block(hidden)))
+                if rows_per > 1 and x.numel() // hidden % 2:
+                    record_case("norm:rows-not-multiple")
 
 
 def _explain_unwritten(out, ref, what: str, r: Rand) -> None:
@@ -306,6 +342,7 @@ def test_cast_order_fp16():
                         + "都对不上；cast 顺序的差别最多 1 个 ulp，差得更多时先看统计量是否在 fp32 里算（下一项检查）")
             raise AssertionError(msg)
         assert_close(out, ref, what=f"add_rms_norm fp16（gemma={gemma}）", rand=r, atol=1e-2, rtol=1e-2)
+        record_case(f"fp16:gemma={gemma}")
     w32 = r.randn(h, scale=0.3) + 1                                   # fp32 norm weights on fp16 activations
     for gemma in (False, True):
         out, _ = _call(m, x, res, w32, 1e-6, gemma)
@@ -314,6 +351,7 @@ def test_cast_order_fp16():
             raise AssertionError(f"add_rms_norm（x fp16、w fp32，gemma={gemma}）的输出 dtype 应与 m01 相同，为 {ref.dtype}，"
                                  f"得到 {out.dtype}；{r}\n  {M_OUT_DTYPE}")
         assert_close(out, ref, what=f"add_rms_norm（x fp16、w fp32，gemma={gemma}）", rand=r, atol=1e-2, rtol=1e-2)
+        record_case(f"fp16:w-fp32,gemma={gemma}")
 
 
 def _fp16_variants(x, res, w, gemma):
@@ -340,6 +378,7 @@ def test_fp32_statistics():
     if not torch.isfinite(out).all() or float(out.float().abs().max()) == 0.0:
         raise AssertionError(f"fp16、|x| ≈ 400 时输出是 0 / inf / NaN；{r}\n  看起来像易错点：{M_STATS_DTYPE}")
     assert_close(out, ref, what="fp16 大数值的 add_rms_norm", rand=r, atol=1e-2, rtol=1e-2)
+    record_case("fp16:large-values")
 
 
 @point("卡片例子：slot 37、P = 16 落在块 2 行 5；[1, 3, −1, 1] + [1, −1, 3, −3] 归一化为 [1, 1, 1, −1]")
@@ -357,6 +396,7 @@ def test_card_example():
     assert torch.allclose(out, torch.tensor([[0.5, 1.0, 2.0, -1.0]])), f"w · n 应为 [0.5, 1, 2, −1]，得到 {out.tolist()}"
     g, _ = _call(m, x, res, torch.tensor([0.5, 1.0, 2.0, 1.0]), 0.0, True)
     assert torch.allclose(g, torch.tensor([[1.5, 2.0, 3.0, -2.0]])), f"(1+w) · n 应为 [1.5, 2, 3, −2]，得到 {g.tolist()}"
+    record_case("card:example")
 
 
 @needs_cuda

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from checks.kit import GuardedAlloc, Rand, assert_close, impl, needs_cuda, point, to_cpu, to_dev
+from checks.kit import GuardedAlloc, Rand, assert_close, impl, needs_cuda, point, record_case, to_cpu, to_dev
 
 MODULE = "k02_paged_attention"
 torch.set_num_threads(1)
@@ -27,6 +27,8 @@ M_MIXED_LSE = ("lse 混用了对数的底：m 是 log₂ 单位（分数乘过 l
                "写成 m + ln(l)（或权重用 exp）时各 split 的权重不对")
 M_TAIL_MASK = "最后一个不满的 key tile 没有 mask：越过长度的 key（k = 0，分数 0）也进了 softmax"
 M_LAST_KEY = "漏掉了最后一个 key（长度差一：context_lens 已包含当前 token）"
+M_DEFAULT_SPLITS = ("TritonPagedAttention 没给 num_splits（None）时应取 default_num_splits(k_cache)，"
+                    "不能把 None 直接交给 decode_attention")
 M_FP16 = "分数在 fp16 里累加（tl.dot 的 out_dtype / 结果转成了 q.dtype）：|q·k| > 65504 时溢出成 inf"
 
 
@@ -87,15 +89,19 @@ def test_prefill_no_prefix():
     m = impl(MODULE)
     r = Rand()
     nkv = r.choice([1, 2])
-    nh, d, page = nkv * r.choice([1, 2, 3]), r.choice([16, 32]), r.choice([16, 32])
-    lens = [r.int(1, 90) for _ in range(r.int(1, 3))]
+    nh, d, page = nkv * r.choice([1, 2, 3]), r.choice([16, 32]), 32          # P = 16: the cached-prefix check
+    # one odd length (no tile / page multiple: the masked tail) and one of 64 (whole BLOCK_M / BLOCK_N tiles, pages)
+    lens = [r.int(0, 44) * 2 + 1, 64] + [r.int(1, 90) for _ in range(r.int(0, 1))]
     q, kc, vc, bt, cu_q, cu_k, keys, values = paged_problem(r, lens, lens, nh, nkv, d, page)
     scale = d ** -0.5
     out = m.prefill_attention(*to_dev(q, kc, vc, cu_q, cu_k, bt), max(lens), scale)
-    assert_close(out, reference(q, keys, values, cu_q, cu_k, scale), what=f"prefill_attention（P={page}, D={d}）",
+    assert_close(out, reference(q, keys, values, cu_q, cu_k, scale),
+                 what=f"prefill_attention（P={page}, D={d}，长度 {lens}）",
                  rand=r, atol=1e-5, rtol=1e-4,
                  looks_like=[(reference(q, keys, values, cu_q, cu_k, scale, gqa_tiled=True) if nh > nkv else None,
                               M_GQA)])
+    for label in ("prefill:P=32", "prefill:D-pow2", "prefill:len-not-tile-multiple", "prefill:len-tile-multiple"):
+        record_case(label)
 
 
 @point("prefill：带缓存前缀（右下对齐的因果 mask）与 GQA")
@@ -103,7 +109,7 @@ def test_prefill_cached_prefix_gqa():
     m = impl(MODULE)
     r = Rand()
     nkv = 2
-    nh, d, page = nkv * r.choice([2, 3]), r.choice([24, 40]), r.choice([16, 32])     # D not a power of 2
+    nh, d, page = nkv * r.choice([2, 3]), r.choice([24, 40]), 16       # D not a power of 2; P = 32: the check above
     lens_k = [r.int(20, 100) for _ in range(2)]
     lens_q = [r.int(2, lk - 5) for lk in lens_k]
     q, kc, vc, bt, cu_q, cu_k, keys, values = paged_problem(r, lens_q, lens_k, nh, nkv, d, page)
@@ -113,6 +119,8 @@ def test_prefill_cached_prefix_gqa():
                  rand=r, atol=1e-5, rtol=1e-4,
                  looks_like=[(reference(q, keys, values, cu_q, cu_k, scale, top_left=True), M_TOP_LEFT),
                              (reference(q, keys, values, cu_q, cu_k, scale, gqa_tiled=True), M_GQA)])
+    for label in ("prefill:cached-prefix", "prefill:gqa", "prefill:D-not-pow2", "prefill:P=16"):
+        record_case(label)
 
 
 @point("flash_attention_varlen（不分页）与 m04 一致")
@@ -128,6 +136,7 @@ def test_flash_attention_varlen_unpaged():
     assert_close(out, reference(q, keys, values, cu_q, cu_k, scale), what="flash_attention_varlen", rand=r,
                  atol=1e-5, rtol=1e-4,
                  looks_like=[(reference(q, keys, values, cu_q, cu_k, scale, top_left=True), M_TOP_LEFT)])
+    record_case("varlen:unpaged")
 
 
 def _guarded(call, d: int, r: Rand):
@@ -179,6 +188,7 @@ def test_online_softmax_rescale():
                 elif rising:                                  # the falling case (checked first) passed
                     msg += f"\n  看起来像易错点：{M_NO_RESCALE}（递减时正确、递增时出错）"
                 raise AssertionError(msg)
+            record_case(f"online:{name}:" + ("max-in-last-tile" if rising else "max-in-first-tile"))
 
 
 @point("fp16：|q·k| 超过 65504 时分数在 fp32 里累加")
@@ -198,6 +208,7 @@ def test_fp16_score_accumulator():
         if not torch.isfinite(out).all():
             raise AssertionError(f"{name}：fp16 输入、|q·k| 可达 1e5 时输出含 inf / NaN；{r}\n  看起来像易错点：{M_FP16}")
         assert_close(out, want, what=f"fp16 {name}", rand=r, atol=2e-3, rtol=2e-3)
+        record_case(f"fp16:{name}")
 
 
 # ------------------------------------------------------------------------------------------------ decode
@@ -245,14 +256,17 @@ def test_decode_splits():
     m = impl(MODULE)
     r = Rand()
     nkv = r.choice([1, 2])
-    nh, d, page = nkv * r.choice([1, 2, 4]), r.choice([16, 32]), r.choice([16, 32])
-    lens = _decode_lens(r, r.int(1, 3), 40, 300) + [r.int(200, 300)]      # one sequence always spans >= 2 splits
+    nh, d, page = nkv * r.choice([1, 2, 4]), r.choice([16, 32]), 32          # P = 16: the padded-row check
+    # one sequence always spans >= 2 splits; one is 128 keys (whole BLOCK_N tiles and pages)
+    lens = _decode_lens(r, r.int(0, 2), 40, 300) + [128, r.int(200, 300)]
     q, kc, vc, bt, ctx, cu_q, cu_k, keys, values = _decode_case(r, lens, nh, nkv, d, page)
     scale = d ** -0.5
     ref = reference(q, keys, values, cu_q, cu_k, scale)
     one = m.decode_attention(*to_dev(q, kc, vc, bt, ctx), scale, 1)
-    assert_close(one, ref, what=f"decode_attention（num_splits=1，长度 {lens}）", rand=r, atol=1e-5, rtol=1e-4,
+    assert_close(one, ref, what=f"decode_attention（num_splits=1，P={page}，长度 {lens}）", rand=r, atol=1e-5, rtol=1e-4,
                  looks_like=[(_unmasked_tail(q, keys, values, cu_q, cu_k, scale, 1), M_TAIL_MASK)])
+    for label in ("decode:splits=1", "decode:P=32", "decode:D-pow2", "decode:len-tile-multiple"):
+        record_case(label)
     for splits in (2, 5, 16):
         out = to_cpu(m.decode_attention(*to_dev(q, kc, vc, bt, ctx), scale, splits))
         if not torch.allclose(out, ref, atol=1e-5, rtol=1e-4):
@@ -261,6 +275,8 @@ def test_decode_splits():
                          rand=r, atol=1e-5, rtol=1e-4,
                          looks_like=[(wrong["average"], M_REDUCE_WEIGHT), (wrong["mixed_lse"], M_MIXED_LSE),
                                      (wrong["exp_weights"], M_MIXED_LSE)])
+        record_case(f"decode:splits={splits}")
+    record_case("decode:idle-splits")                # 16 splits of >= 64 keys: those past Lk <= 300 return
 
 
 @point("decode：任意长度（不是 tile / 块的整数倍）与 GQA 成组")
@@ -281,6 +297,8 @@ def test_decode_tail_and_gqa():
              (_unmasked_tail(q, keys, values, cu_q, cu_k, scale, 3), M_TAIL_MASK)]
     assert_close(out, ref, what=f"decode_attention（长度 {lens}，P={page}，D={d}）", rand=r, atol=1e-5, rtol=1e-4,
                  looks_like=hints)
+    for label in ("decode:len-not-tile-multiple", "decode:gqa", "decode:D-not-pow2"):
+        record_case(label)
 
 
 def _unmasked_tail(q, keys, values, cu_q, cu_k, scale, splits: int, block_n: int = 64):
@@ -313,6 +331,8 @@ def test_decode_padded_row():
     out = to_cpu(m.decode_attention(*to_dev(q_pad, kc, vc, bt_pad, ctx_pad), d ** -0.5, 4))
     assert out.shape == q_pad.shape, f"输出形状应为 {list(q_pad.shape)}，得到 {list(out.shape)}"
     assert_close(out[:3], ref, what="有填充行时其余行的 decode 输出", rand=r, atol=1e-5, rtol=1e-4)
+    for label in ("decode:context-len-0", "decode:one-key,more-splits-than-keys", "decode:P=16"):
+        record_case(label)
 
 
 @point("卡片例子：前缀 Lq = 2、Lk = 5 得 [1.5, 2.0]；两个 split 合并得 2.0（平均会得 2.25）")
@@ -330,6 +350,7 @@ def test_card_example():
     if not torch.allclose(out[:, 0, 0], torch.tensor([1.5, 2.0])):
         hint = f"\n  看起来像易错点：{M_TOP_LEFT}" if torch.allclose(out[:, 0, 0], torch.tensor([0.0, 0.5])) else ""
         raise AssertionError(f"Lq = 2、Lk = 5：两个 query 应得 [1.5, 2.0]（平均 key 0..3 与 0..4），得到 {got}{hint}")
+    record_case("card:prefix")
     # decode: 128 keys, two splits of 64 (BLOCK_N = 64): scores 0 | ln 2, values 6, 0, 6, 0, ... | 3, 0, 3, 0, ...
     kc = torch.zeros(8, 16, 1, d)
     vc = torch.zeros(8, 16, 1, d)
@@ -346,6 +367,7 @@ def test_card_example():
             why = ("（两个 split 各 64 个 key：o₀ = 3、lse₀ = 6，o₁ = 1.5、lse₁ = 7，权重 [0.5, 1]）" if splits == 2
                    else "（e^s 是 64 个 1 和 64 个 2：o = 384 / 192）")
             raise AssertionError(f"128 个 key、num_splits={splits}：o 应为 2.0{why}，得到 {o:.6g}{hint}")
+    record_case("card:two-splits")
 
 
 def _ctx_to_dev(ctx):
@@ -362,6 +384,7 @@ def test_drop_in_module():
     shape = (12, page, nkv, d)
     ours = m.TritonPagedAttention(nh, d, d ** -0.5, nkv, *to_dev(torch.zeros(shape), torch.zeros(shape)),
                                   num_splits=2)
+    default = m.TritonPagedAttention(nh, d, d ** -0.5, nkv, ours.k_cache, ours.v_cache)      # num_splits=None
     theirs = e04.PagedAttention(nh, d, d ** -0.5, nkv, torch.zeros(shape), torch.zeros(shape))
     prompts = [r.int(3, 40), r.int(20, 50)]
     seqs = [e02.Sequence(list(range(n))) for n in prompts]
@@ -382,6 +405,16 @@ def test_drop_in_module():
         got = ours(*to_dev(q, k, v), _ctx_to_dev(ctx))
         assert_close(got, want, what=f"第 {step + 1} 步（{'decode' if not ctx.is_prefill else 'prefill'}）",
                      rand=r, atol=1e-5, rtol=1e-4)
+        record_case("module:" + ("decode" if not ctx.is_prefill else "chunked-prefix" if step else "prefill"))
+        if not ctx.is_prefill:
+            try:
+                got = default(*to_dev(q, k, v), _ctx_to_dev(ctx))
+            except Exception as exc:
+                raise AssertionError(f"第 {step + 1} 步（decode，num_splits 缺省）出错：{type(exc).__name__}: {exc}；{r}\n"
+                                     f"  看起来像易错点：{M_DEFAULT_SPLITS}") from exc
+            assert_close(got, want, what=f"第 {step + 1} 步（decode，TritonPagedAttention 没给 num_splits）",
+                         rand=r, atol=1e-5, rtol=1e-4)
+            record_case("module:decode,default-num-splits")
         for s, n in zip(seqs, news):
             s.num_cached_tokens += n
 

@@ -17,7 +17,8 @@ from transformers import Qwen3_5MoeTextConfig
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
 
 from checks import oracles
-from checks.kit import DEVICE, Rand, assert_close, assert_dtype, assert_equal, close, explain_crash, impl, point
+from checks.kit import (DEVICE, Rand, assert_close, assert_dtype, assert_equal, close, explain_crash, impl, point,
+                        record_case)
 
 MODULE = "k03_fused_moe"
 CRASHES = {
@@ -119,6 +120,7 @@ def _check_block(block, r: Rand, what: str) -> None:
                   (routed + mlp, "shared expert 没有乘门控 sigmoid(x @ gate.T)"),
                   (routed, "漏掉了 shared expert：out += sigmoid(x @ gate.T) · SharedExpert(x)")]
     assert_close(out.cpu(), ref, what=f"{what} 输出", rand=r, looks_like=looks)
+    record_case(f"block:{what}")
 
 
 @point("pad 条目被 mask：kernel 只写真实 pair 的行")
@@ -158,6 +160,7 @@ def test_pad_rows_never_written():
     assert_close(y_buf[2:2 + num_pairs].cpu(), (per_pair * wts.cpu().view(n_tok, k, 1)).reshape(num_pairs, hidden),
                  what="down_weighted 的逐 pair 输出 y[p] = w[p] · Expert(x[p // k])", rand=r, atol=1e-4, rtol=1e-4,
                  looks_like=[((per_pair).reshape(num_pairs, hidden), "忘了乘路由权重")])
+    record_case("launch:pad-rows-masked,block_m=16")
 
 
 @point("卡片例子：moe_align_block_size（N=3，k=2，E=5，BLOCK_M=4）")
@@ -175,14 +178,17 @@ def test_card_align_example():
                              (unpadded, "每个 expert 的段没有 pad 到 BLOCK_M 的倍数")])
     assert_equal(expert_ids.cpu().long(), torch.tensor([0, 1, 2, 3, -1, -1]), what="卡片例子的 expert_ids（每个 block 一个）",
                  looks_like=[(torch.tensor([0, 1, 2, 2, 3, -1]), "block 的 expert 按未 pad 的 counts 前缀和算了")])
+    record_case("card:align")
 
 
 @point("moe_align_block_size：按 expert 稳定排序、每段 pad 到 BLOCK_M、每个 block 的 expert 正确")
 def test_align_random():
     m = impl(MODULE)
     r = Rand()
-    for experts, n_tok, k, block_m in ((r.int(4, 12), r.int(1, 40), r.int(1, 4), r.choice([4, 16])),
-                                       (r.int(30, 64), r.int(1, 3), 2, 16)):   # E > N*k: most experts empty
+    # a BLOCK_M other than the decode default 16 (smaller or a prefill size), then E > N*k with 16
+    for label, (experts, n_tok, k, block_m) in (("block_m!=16", (r.int(4, 12), r.int(1, 40), r.int(1, 4),
+                                                                 r.choice([4, 8, 64]))),
+                                                ("E>N*k,block_m=16", (r.int(30, 64), r.int(1, 3), 2, 16))):
         k = min(k, experts)
         ids = torch.stack([torch.randperm(experts, generator=r.gen)[:k] for _ in range(n_tok)])
         with explain_crash(CRASHES):
@@ -205,6 +211,7 @@ def test_align_random():
         if not bool((tail == num_pairs).all()):
             raise AssertionError(f"sorted_ids 在 num_tokens_post_padded 之后也应全是 pad id N·k = {num_pairs}{where}；{r}")
         assert_equal(expert_ids[:used // block_m].cpu().long(), ref_experts, what=f"expert_ids（block 的 expert）{where}", rand=r)
+        record_case(f"align:{label}")
 
 
 @point("输出大小只由形状决定（无 host 同步，可进 CUDA graph）")
@@ -223,6 +230,7 @@ def test_static_shapes_no_sync():
                                  f"BLOCK_M 决定（固定上界），否则要 host 同步、进不了 CUDA graph；{r}\n"
                                  "  看起来像易错点：按实际 num_tokens_post_padded 截断（.item() / .tolist()），decode 路径有 host 同步")
         assert_dtype(ta, torch.int32, what=f"{name} 的 dtype")
+    record_case("align:static-shape,int32")
     if DEVICE.type == "cuda":                                     # the real thing: no sync anywhere in fused_experts
         w_gate = torch.randn(experts, 32, 16, device="cuda")
         x, weights = torch.randn(n_tok, 16, device="cuda"), torch.rand(n_tok, k, device="cuda")
@@ -263,6 +271,7 @@ def test_fused_experts_edge_cases():
                                   weights.to(DEVICE), ids.to(DEVICE))
         assert_close(out.cpu(), ref, what=f"fused_experts（{what}）", rand=r, atol=1e-5, rtol=1e-4,
                      looks_like=_looks_like(x, w_gate, w_up, w_down, weights, ids))
+        record_case("fused:N=1" if ids.shape[0] == 1 else "fused:empty-expert,one-token-expert,N-not-multiple")
 
 
 M_K_TAIL = ("K 维的尾部没有 mask 对：H 或 I 大于 BLOCK_K 且不是它的整数倍时，最后一次循环只剩 K − k0 列"
@@ -276,8 +285,17 @@ def test_k_tail():
     m = impl(MODULE)
     _guard()
     r = Rand()
-    experts, k, n_tok = r.int(4, 6), 2, r.int(3, 7)                  # <= 12 pairs per expert: BLOCK_M 16, BLOCK_K 128
-    hidden, inter = 128 + r.choice([8, 24, 40]), 128 + r.choice([16, 56])
+    experts, k = r.int(4, 6), 2
+    # <= 12 pairs per expert: BLOCK_M 16, BLOCK_K 128; > 24: BLOCK_M 64, BLOCK_K 64 (the prefill tiles)
+    cases = [("decode,H-tail,I-tail", r.int(3, 7), 128 + r.choice([8, 24, 40]), 128 + r.choice([16, 56])),
+             ("decode,H-whole,I-whole", r.int(3, 7), 256, 128),
+             ("prefill,H-tail,I-tail", 13 * experts + r.int(0, 5), 128 + r.choice([8, 24, 40]), 64 + r.choice([16, 56]))]
+    for label, n_tok, hidden, inter in cases:
+        _k_tail_case(m, r, experts, k, n_tok, hidden, inter, label)
+        record_case(f"fused:{label}")
+
+
+def _k_tail_case(m, r: Rand, experts: int, k: int, n_tok: int, hidden: int, inter: int, label: str) -> None:
     w_gate, w_up = r.randn(experts, inter, hidden, scale=0.1), r.randn(experts, inter, hidden, scale=0.1)
     w_down = r.randn(experts, hidden, inter, scale=0.1)
     x = r.randn(n_tok, hidden)
@@ -288,14 +306,19 @@ def test_k_tail():
         out = m.fused_experts(*(t.to(DEVICE) for t in (x, w_gate, w_up, w_down, weights, ids))).cpu()
     if close(out, ref, 1e-4, 1e-4):
         return
+    if "whole" in label:                        # no tail here: the whole-tile path (no K mask) itself is wrong
+        assert_close(out, ref, what=f"fused_experts（H={hidden}，I={inter}，都是 BLOCK_K = 128 的整数倍：不需要 K mask 的路径）",
+                     rand=r, atol=1e-4, rtol=1e-4, looks_like=_looks_like(x, w_gate, w_up, w_down, weights, ids))
     # the same problem zero-padded to H = I = 256 (a whole number of tiles) has the same answer
     pad = lambda t, *size: F.pad(t, [0, size[-1] - t.shape[-1], 0, size[-2] - t.shape[-2]] if len(size) > 1  # noqa: E731
                                  else [0, size[-1] - t.shape[-1]])
     with explain_crash(CRASHES):
         padded = m.fused_experts(*(t.to(DEVICE) for t in (pad(x, 256), pad(w_gate, 256, 256), pad(w_up, 256, 256),
                                                            pad(w_down, 256, 256), weights, ids))).cpu()[:, :hidden]
+    block_k = 128 if label.startswith("decode") else 64
     with _hint_if(close(padded, ref, 1e-4, 1e-4), M_K_TAIL):                 # whole tiles right, the tail wrong
-        assert_close(out, ref, what=f"fused_experts（H={hidden}，I={inter}，BLOCK_K=128：最后一次 K 循环只剩一部分列）",
+        assert_close(out, ref, what=f"fused_experts（{label.split(',')[0]}，N={n_tok}，H={hidden}，I={inter}，"
+                     f"BLOCK_K={block_k}：最后一次 K 循环只剩一部分列）",
                      rand=r, atol=1e-4, rtol=1e-4, looks_like=_looks_like(x, w_gate, w_up, w_down, weights, ids))
 
 
@@ -348,6 +371,7 @@ def test_blocks_past_num_post():
     with _hint_if(close(got["pad"], want, 1e-4, 1e-4), M_PAST_POST):        # right when the tail is pad, wrong here
         assert_close(got["garbage"], want, what=f"gate_up_silu + down_weighted（sorted_ids 长 {size}，num_post = {used}，"
                      "之后是任意的 pair id 与 expert id）", rand=r, atol=1e-4, rtol=1e-4)
+    record_case("launch:past-num-post")
 
 
 @point("gate/up 是 gate_up_proj [E, 2I, H] 的两半（strided view）时也正确")
@@ -374,6 +398,7 @@ def test_strided_gate_up_views():
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n  看起来像易错点：把 w_gate / w_up 当成了连续张量（按形状推 stride）；它们是 "
                              "gate_up_proj 的两半，expert 之间相隔 2·I·H，stride 要用 .stride() 传进 kernel") from None
+    record_case("fused:strided-gate-up")
 
 
 @point("Qwen3-MoE block 与 HF 一致")
@@ -428,6 +453,7 @@ def test_card_scalar_example():
         out = m.fused_moe_forward(x, w)
     assert_close(out.cpu(), torch.tensor([[3.9283], [0.8984]]), what="卡片标量例子 + shared expert（门控 sigmoid(0) = 0.5）",
                  atol=1e-4, rtol=0, looks_like=[(torch.tensor([[2.1667], [0.7639]]), "shared expert 的门控没有过 sigmoid：sigmoid(0) = 0.5，不是 0")])
+    record_case("card:scalar")
 
 
 @point("CUDA：真实形状 bf16（E=128/256，k=8，H=2048，I=768/512，含 shared expert）")

@@ -18,7 +18,7 @@ import transformers
 from transformers import DynamicCache, Qwen3_5TextConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-from checks.kit import DEVICE, TOL, Rand, assert_close, close, impl, needs_cuda, point
+from checks.kit import DEVICE, TOL, Rand, assert_close, close, impl, needs_cuda, point, record_case
 
 MODULE = "k04_gdn_kernels"
 GPU = DEVICE.type == "cuda"                        # real shapes and bf16 natively; tiny fp32 shapes in the interpreter
@@ -44,6 +44,7 @@ CHUNK_BOUNDARY = ("变长序列的块边界错了：每条序列从自己的起�
 INIT_IGNORED = "忽略了初始状态：每条序列的递推要从池里（或 initial_state）它自己的状态出发"
 CONV_TAIL = ("比 K−1 短的序列写回的 conv_state 丢了旧的尾巴：新状态是最后 K−1 个输入，输入不够时前面接池里旧 "
              "conv_state 的后几个（不是 0）")
+OUT_DTYPE = "输出 o 的 dtype 应跟输入（mixed_qkv / v）一致：只有递推状态是 fp32，输出不是"
 CONV_BOUNDARY = "prefill 卷积跨过了序列边界：序列开头之前的 K−1 个输入来自池里它自己的 conv_state，不是打包张量里上一条序列的 token"
 
 
@@ -145,6 +146,15 @@ def _oracle_decode(m5, inp: dict, conv: torch.Tensor, ssm: torch.Tensor, s: dict
 def _oracle_prefill(m5, inp: dict, cu: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor, s: dict,
                     zero_conv=False, zero_ssm=False, **mistake):
     """m05's prefill path in fp32 per sequence from the given states -> (o [N, nv, dv], conv, ssm)."""
+    lens = (cu[1:] - cu[:-1]).tolist()
+    live = [i for i, n in enumerate(lens) if n > 0]
+    if len(live) < len(lens):       # a sequence of length 0 keeps both states as they start (m05 needs >= 1 token)
+        o, conv_live, ssm_live = _oracle_prefill(m5, inp, _cu([lens[i] for i in live]), conv[live], ssm[live], s,
+                                                 zero_conv=zero_conv, zero_ssm=zero_ssm, **mistake)
+        conv_all = torch.zeros_like(conv, dtype=torch.float32) if zero_conv else conv.float().clone()
+        ssm_all = torch.zeros_like(ssm) if zero_ssm else ssm.float().clone()
+        conv_all[live], ssm_all[live] = conv_live, ssm_live
+        return o, conv_all, ssm_all
     conv = torch.zeros_like(conv, dtype=torch.float32) if zero_conv else conv.float()
     ssm = torch.zeros_like(ssm) if zero_ssm else ssm.float().clone()
     x, conv = m5.causal_conv1d(inp["mixed"].float(), inp["weight"].float(), cu, conv)
@@ -186,7 +196,9 @@ def test_decode_matches_m05():
     m, m5 = impl(MODULE), impl("m05_gated_deltanet")
     r = Rand()
     s = _layer_sizes(r)
-    for dtype, scale in ((torch.float32, 1.0), (torch.float32, 1e-3)) + (((torch.bfloat16, 1.0),) if GPU else ()):
+    if not GPU:
+        s["dv"] = 12                                     # dk = dv = 12: both padded to 16 and masked
+    for dtype, scale in ((torch.float32, 1.0), (torch.float32, 1e-3), (torch.bfloat16, 1.0)):
         batch = r.choice([1, 5, 64, 256]) if GPU else r.int(2, 4)
         num_slots = batch + 3
         inp = _layer_inputs(r, batch, s, dtype, scale)
@@ -204,7 +216,7 @@ def test_decode_matches_m05():
                     (run(read_before_decay=True), READ_BEFORE_DECAY), (run(beta_v_only=True), BETA_V_ONLY)]
         _check(o, ref_o, what=f"{what} 的输出 o [B, nv, dv]", rand=r, dtype=dtype, mistakes=lambda: wrong(0))
         if o.dtype != dtype:
-            raise AssertionError(f"{what} 的输出 dtype 应为 {dtype}（mixed_qkv 的 dtype），得到 {o.dtype}")
+            raise AssertionError(f"{what} 的输出 dtype 应为 {dtype}（mixed_qkv 的 dtype），得到 {o.dtype}\n  {OUT_DTYPE}")
         newest_first = torch.cat([inp["mixed"][..., None].to(dtype), before[0][idx][..., :-1]], -1)
         _check(conv_pool[idx], ref_conv, what=f"{what} 之后池中的 conv_state", rand=r, dtype=dtype,
                mistakes=lambda: [(before[0][idx], CONV_SHIFT), (newest_first, CONV_SHIFT)])
@@ -214,6 +226,8 @@ def test_decode_matches_m05():
         rest[idx.cpu()] = False
         _same(conv_pool[rest.to(DEVICE)], before[0][rest.to(DEVICE)], what="不在 slots 里的池行（conv）", mistake=SLOT_WRITTEN, rand=r)
         _same(ssm_pool[rest.to(DEVICE)], before[1][rest.to(DEVICE)], what="不在 slots 里的池行（ssm）", mistake=SLOT_WRITTEN, rand=r)
+        record_case(f"decode:{str(dtype).removeprefix('torch.')},scale={scale:g}")
+    record_case("decode:strided-a-b,dk-dv-not-pow2,K=3")
 
 
 @point("slot -1 的 padding 行不读不写池")
@@ -245,6 +259,7 @@ def test_decode_padding_rows():
     keep = keep.to(DEVICE)
     _same(conv_all[keep], before[0][keep], what=f"{what}：slot 0、池外的保护行与未用的 slot（conv）", mistake=SLOT_WRITTEN, rand=r)
     _same(ssm_all[keep], before[1][keep], what=f"{what}：slot 0、池外的保护行与未用的 slot（ssm）", mistake=SLOT_WRITTEN, rand=r)
+    record_case("decode:slot-minus-one")
 
 
 @point("递推状态始终 fp32：β=0、g=0 时池中状态原样穿过（bf16 输入）")
@@ -261,14 +276,18 @@ def test_state_stays_fp32():
     before = ssm_pool.clone()
     _call(m.gdn_decode, inp, conv_pool, ssm_pool, slots, s=s)
     _same(ssm_pool, before, what="gdn_decode（bf16，β=0、g=0）之后的递推状态", mistake=STATE_BF16, rand=r)
+    record_case("state:decode-bf16,beta=0,g=0")
 
     lengths = [r.int(1, 3), r.int(65, 80)] if not GPU else [r.int(1, 3), r.int(500, 2000)]
     inp = _layer_inputs(r, sum(lengths), s, torch.bfloat16)
     inp["a"], inp["b"] = torch.full_like(inp["a"], float("-inf")), torch.full_like(inp["b"], float("-inf"))
     slots = slots[:2]
     before = ssm_pool.clone()
-    _call(m.gdn_prefill, inp, _cu(lengths), conv_pool, ssm_pool, slots, s=s)
+    o = _call(m.gdn_prefill, inp, _cu(lengths), conv_pool, ssm_pool, slots, s=s)
     _same(ssm_pool, before, what=f"gdn_prefill（bf16，β=0、g=0，长度 {lengths}）之后的递推状态", mistake=STATE_BF16, rand=r)
+    if o.dtype != torch.bfloat16:
+        raise AssertionError(f"gdn_prefill（bf16 输入）的输出 dtype 应为 torch.bfloat16，得到 {o.dtype}；{r}\n  {OUT_DTYPE}")
+    record_case("state:prefill-bf16,beta=0,g=0")
 
     # beta = 0 with real decays: the state only decays, S_T = exp(sum g) * S_0, in fp32
     H, T = (s["nv"] if GPU else 1), lengths[1]
@@ -276,13 +295,16 @@ def test_state_stays_fp32():
     v = r.randn(1, T, H, s["dv"]).to(DEVICE, torch.bfloat16)
     g = (-F.softplus(r.randn(1, T, H)) * 0.01).to(DEVICE)
     h0 = r.randn(1, H, s["dk"], s["dv"]).to(DEVICE)
-    _, final = m.chunk_gated_delta_rule(q, q, v, g, torch.zeros(1, T, H, dtype=torch.bfloat16, device=DEVICE), h0)
+    o, final = m.chunk_gated_delta_rule(q, q, v, g, torch.zeros(1, T, H, dtype=torch.bfloat16, device=DEVICE), h0)
     expect = h0 * g.sum(1).exp()[0, :, None, None]
     if not close(final.cpu(), expect.cpu(), atol=1e-5, rtol=1e-5):
         assert_close(final.cpu(), expect.cpu(), what=f"chunk_gated_delta_rule（bf16，β=0，T={T}）的最终状态 exp(Σg)·S0",
                      rand=r, atol=1e-5, rtol=1e-5, looks_like=[(expect.bfloat16().float().cpu(), STATE_BF16)])
     if final.dtype != torch.float32:
         raise AssertionError(f"chunk_gated_delta_rule 返回的状态 dtype 应为 fp32，得到 {final.dtype}\n  看起来像易错点：{STATE_BF16}")
+    if o.dtype != torch.bfloat16:
+        raise AssertionError(f"chunk_gated_delta_rule（bf16 的 v）的输出 dtype 应为 torch.bfloat16，得到 {o.dtype}；{r}\n  {OUT_DTYPE}")
+    record_case("state:chunk-bf16,beta=0,decay-only")
 
 
 # ---------------------------------------------------------------------------------------------- chunked rule
@@ -312,7 +334,7 @@ def test_chunk_matches_hf():
     m = impl(MODULE)
     r = Rand()
     cases = ([(torch.float32, r.int(2, 3), r.int(4000, 9000)), (torch.bfloat16, 2, r.int(4000, 9000))] if GPU
-             else [(torch.float32, r.int(1, 2), r.int(65, 130))])
+             else [(torch.float32, 2, r.int(65, 130))])
     for dtype, batch, steps in cases:
         steps += steps % 64 == 0
         heads, dk, dv = (8, 128, 128) if GPU else (r.int(1, 2), r.choice([8, 16]), r.choice([8, 16]))
@@ -329,6 +351,7 @@ def test_chunk_matches_hf():
             rec_o, rec_s = HF_RECURRENT(q_unit, k, v, g, beta, initial_state=state.clone(), output_final_state=True)
             _check(o, rec_o, what=f"{what} 与 HF torch_recurrent_gated_delta_rule 的输出", rand=r)
             _check(s, rec_s, what=f"{what} 与 HF torch_recurrent_gated_delta_rule 的最终状态", rand=r)
+        record_case("chunk:B>1,T-not-64-multiple,initial-state")
 
 
 @point("变长打包：每条序列从自己的起点分块、带各自的初始状态")
@@ -355,6 +378,7 @@ def test_chunk_varlen():
             if i and "易错点" not in str(exc):                            # the earlier sequences were right
                 raise AssertionError(f"{exc}\n  前面的序列都对、这一条错了——看起来像易错点：{CHUNK_BOUNDARY}") from None
             raise
+    record_case("chunk:varlen,initial-states")
 
 
 # ---------------------------------------------------------------------------------------------- prefill layer
@@ -366,7 +390,9 @@ def test_prefill_matches_m05():
     s = _layer_sizes(r)
     cases = ([(torch.float32, [1, 2, r.int(100, 700), r.int(60, 70)]),
               (torch.bfloat16, [r.int(1, 3), r.int(1000, 5000), 1, r.int(64, 200)])] if GPU
-             else [(torch.float32, [1, r.int(65, 75), r.int(2, 9)])])          # 1 < K - 1: keeps an old tail
+             else [(torch.float32, [1, 0, r.int(65, 75), r.int(2, 9)])])       # 1 < K - 1: keeps an old tail
+    if not GPU:
+        s["dv"] = 12
     for dtype, lengths in cases:
         r.py.shuffle(lengths)
         inp = _layer_inputs(r, sum(lengths), s, dtype)
@@ -400,6 +426,13 @@ def test_prefill_matches_m05():
             if not torch.equal(got.cpu(), want.cpu()):
                 raise AssertionError(f"{what}：传入 chunks=（引擎在 host 上算好的块表，等于 _chunk_table(cu_seqlens)）时"
                                      f"{name}与不传时不同；{r}\n  看起来像易错点：{CHUNKS_MISUSED}")
+        record_case(f"prefill:{str(dtype).removeprefix('torch.')},from-pool,chunks-given")
+        if 1 in lengths:
+            record_case("prefill:len-1<K-1")
+        if 0 in lengths:
+            record_case("prefill:len-0")
+        if max(lengths) > 64:
+            record_case("prefill:spans-chunks")
 
 
 def _hf_layer(r: Rand):
@@ -445,6 +478,7 @@ def test_prefill_matches_hf_layer():
             slot = int(slots[i])
             _check(conv_pool[slot], cache.layers[0].conv_states[0][0][:, 1:], what=f"{what} 的 conv_state（HF 缓存的后 K−1 个）", rand=r)
             _check(ssm_pool[slot], cache.layers[0].recurrent_states[0][0], what=f"{what} 的递推状态（HF 缓存）", rand=r, tol=tol)
+    record_case("hf:layer,K=4")
 
 
 @point("prefill 两段再 decode 1 个 token（状态经池子传递）等于一次性 prefill")
@@ -483,6 +517,7 @@ def test_prefill_then_decode():
                f"与一次性 prefill 比", rand=r)
     _check(ssm_step, ssm_full, what="分段 prefill + decode 之后池中的递推状态", rand=r)
     _check(conv_step, conv_full, what="分段 prefill + decode 之后池中的 conv_state", rand=r)
+    record_case("pipeline:prefill-prefill-decode")
 
 
 # ---------------------------------------------------------------------------------------------- the card
@@ -511,6 +546,7 @@ def test_card_worked_example():
                  atol=1e-4, rtol=0)
     assert_close(s[:, 0].cpu(), torch.stack([s2, ref_s]), what="卡片例子两条序列的最终状态 [S_2, S_3]", atol=1e-4, rtol=0,
                  looks_like=[(torch.stack([s2, torch.tensor([[1.5, 0.0], [0.0, 0.0]])]), INIT_IGNORED)])
+    record_case("card:wy")
 
     # decode through the pool: B=2, slots [2, -1]; 1 head, dk=dv=2, K=2, conv weight [0, 1] (window's newest only)
     mixed = torch.tensor([[3.0, 1.0, 1.0, 0.0, 1.0, -1.0], [9.0, 9.0, 9.0, 9.0, 9.0, 9.0]])
@@ -534,6 +570,7 @@ def test_card_worked_example():
           mistake=SLOT_WRITTEN, rand=Rand(0))
     _same(conv_pool[:2], torch.zeros(2, 6, 1), what="卡片 decode 例子：slot 0、1 的 conv_state", mistake=SLOT_WRITTEN,
           rand=Rand(0))
+    record_case("card:decode-slot")
 
 
 # ---------------------------------------------------------------------------------------------- GPU only

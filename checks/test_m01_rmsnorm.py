@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm, Qwen3_5RMSNormGated
 
-from checks.kit import Rand, assert_close, assert_dtype, assert_equal, impl, point
+from checks.kit import Rand, assert_close, assert_dtype, assert_equal, impl, point, record_case
 
 MOD = "m01_rmsnorm"
 BF16 = torch.bfloat16
@@ -84,6 +84,17 @@ def _lead(r: Rand) -> tuple[int, ...]:
     return r.choice([(r.int(3, 9),), (r.int(1, 3), r.int(2, 6)), (r.int(2, 7), r.int(1, 4))])
 
 
+def _all_leads(r: Rand) -> list[tuple[tuple[int, ...], str]]:
+    """Each leading shape the card names, every run: [N, H], [B, T, H] and [N, nH, D] (q/k norm per head)."""
+    return [((r.int(3, 9),), "[N,H]"), ((r.int(1, 3), r.int(2, 6)), "[B,T,H]"), ((r.int(2, 7), r.int(1, 4)), "[N,nH,D]")]
+
+
+def _record_rows(label: str) -> None:
+    """_rows always holds an all-zero row and a tiny row (|x| ~ 1e-3.5, mean square near eps)."""
+    record_case(f"{label}:zero-row")
+    record_case(f"{label}:tiny-row")
+
+
 def _core(x: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
     return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -124,22 +135,27 @@ def test_qwen3_rmsnorm_matches_hf():
     out = m.rms_norm(EX_X, EX_W, 1e-6)
     assert_close(out, EX_QWEN3, what="逐步图 rms_norm(x, w, 1e-6)", atol=EX_ATOL, rtol=0,
                  looks_like=[(EX_W * w, msg) for w, msg in _wrong_cores(EX_X, 1e-6)])
+    record_case("card:rms_norm")
 
     h, eps = r.int(8, 96), _eps(r)
     hf = _hf(Qwen3RMSNorm, h, eps, r, mean=1.0)
-    x = _rows(r, _lead(r), h)
-    with torch.no_grad():
-        ref = hf(x)
-        wrong = [(hf.weight * c, msg) for c, msg in _wrong_cores(x, eps)]
-        assert_close(m.rms_norm(x, hf.weight, eps), ref, what=f"rms_norm，x {list(x.shape)}，eps={eps:g}", rand=r,
-                     looks_like=wrong)
-        out = _copy(m.RMSNorm(h, eps=eps), hf)(x)
-        if isinstance(out, tuple):
-            raise AssertionError("RMSNorm(x)：residual=None（第一层）时应只返回 normed 张量，不是 tuple")
-        if isinstance(out, torch.Tensor) and out.shape == x.shape and not torch.isfinite(out.reshape(-1, h)[0]).all():
-            raise AssertionError(f"RMSNorm(x)：全零行的输出应为 0，得到 NaN/inf（eps 要加在 sqrt 里面防止除以 0）；{r}")
-        assert_close(out, ref, what=f"RMSNorm(x)，x {list(x.shape)}（要用 self.eps={eps:g}）", rand=r,
-                     looks_like=wrong + [(hf.weight * _core(x, 1e-6), M_SELF_EPS)])
+    for lead, lead_label in _all_leads(r):
+        x = _rows(r, lead, h)
+        with torch.no_grad():
+            ref = hf(x)
+            wrong = [(hf.weight * c, msg) for c, msg in _wrong_cores(x, eps)]
+            assert_close(m.rms_norm(x, hf.weight, eps), ref, what=f"rms_norm，x {list(x.shape)}，eps={eps:g}", rand=r,
+                         looks_like=wrong)
+            out = _copy(m.RMSNorm(h, eps=eps), hf)(x)
+            if isinstance(out, tuple):
+                raise AssertionError("RMSNorm(x)：residual=None（第一层）时应只返回 normed 张量，不是 tuple")
+            if isinstance(out, torch.Tensor) and out.shape == x.shape and not torch.isfinite(out.reshape(-1, h)[0]).all():
+                raise AssertionError(f"RMSNorm(x)：全零行的输出应为 0，得到 NaN/inf（eps 要加在 sqrt 里面防止除以 0）；{r}")
+            assert_close(out, ref, what=f"RMSNorm(x)，x {list(x.shape)}（要用 self.eps={eps:g}）", rand=r,
+                         looks_like=wrong + [(hf.weight * _core(x, 1e-6), M_SELF_EPS)])
+        record_case(f"qwen3:lead-{lead_label}")
+    _record_rows("qwen3")
+    record_case("qwen3:module-eps-non-default")
 
 
 @point("fused residual：链式调用与 HF 残差模式一致")
@@ -154,6 +170,7 @@ def test_fused_residual_chain_matches_hf():
                  looks_like=[(EX_X[:1], M_PRE_RES), (EX_SUB, M_PRE_X)])
     assert_close(normed, EX_FUSED, what="逐步图 fused：返回的 normed", atol=EX_ATOL, rtol=0,
                  looks_like=[(EX_W * _core(EX_SUB, 1e-6), M_NORM_X)])
+    record_case("card:fused")
 
     h, num_layers, eps = r.int(8, 64), r.int(2, 3), _eps(r)
     for cls_name, hf_cls, mean in (("RMSNorm", Qwen3RMSNorm, 1.0), ("GemmaRMSNorm", Qwen3_5RMSNorm, 0.0)):
@@ -219,6 +236,8 @@ def test_fused_residual_chain_matches_hf():
             if dtype == torch.float32:                      # end to end: the same stream as HF's decoder
                 assert_close(residual, ref_stream, what=f"{what}：最终 residual 流", rand=r)
                 assert_close(out, ref_out, what=f"{what}：最终 normed", rand=r)
+            record_case(f"fused:{cls_name}:{'fp32' if dtype == torch.float32 else 'bf16'}")
+    record_case("fused:first-layer-no-residual")
 
 
 @point("Gemma 风格 (1+w) norm 与 Qwen3_5RMSNorm 一致")
@@ -228,23 +247,30 @@ def test_gemma_rmsnorm_matches_hf():
     out = m.gemma_rms_norm(EX_X, EX_W, 1e-6)
     assert_close(out, EX_GEMMA, what="逐步图 gemma_rms_norm(x, w, 1e-6)", atol=EX_ATOL, rtol=0,
                  looks_like=[(EX_QWEN3, M_GEMMA_W)] + [((1 + EX_W) * c, msg) for c, msg in _wrong_cores(EX_X, 1e-6)])
+    record_case("card:gemma_rms_norm")
 
     h, eps = r.int(8, 96), _eps(r)
     hf = _hf(Qwen3_5RMSNorm, h, eps, r, mean=0.0)
-    x = _rows(r, _lead(r), h)
-    with torch.no_grad():
-        ref = hf(x)
-        wrong = [(hf.weight * _core(x, eps), M_GEMMA_W)] + [((1 + hf.weight) * c, msg) for c, msg in _wrong_cores(x, eps)]
-        assert_close(m.gemma_rms_norm(x, hf.weight, eps), ref, what=f"gemma_rms_norm，x {list(x.shape)}，eps={eps:g}",
-                     rand=r, looks_like=wrong)
-        fresh = m.GemmaRMSNorm(h, eps=eps)
-        assert_close(fresh(x), _core(x, eps), what="刚构造的 GemmaRMSNorm（权重为 0）应是纯 norm(x)", rand=r,
-                     looks_like=[(torch.zeros_like(x), M_GEMMA_W)])
-        out = _copy(fresh, hf)(x)
-        if isinstance(out, tuple):
-            raise AssertionError("GemmaRMSNorm(x)：residual=None 时应只返回 normed 张量，不是 tuple")
-        assert_close(out, ref, what=f"GemmaRMSNorm(x)，x {list(x.shape)}", rand=r,
-                     looks_like=wrong + [((1 + hf.weight) * _core(x, 1e-6), M_SELF_EPS)])
+    for lead, lead_label in _all_leads(r):
+        x = _rows(r, lead, h)
+        with torch.no_grad():
+            ref = hf(x)
+            wrong = [(hf.weight * _core(x, eps), M_GEMMA_W)] + [((1 + hf.weight) * c, msg)
+                                                                for c, msg in _wrong_cores(x, eps)]
+            assert_close(m.gemma_rms_norm(x, hf.weight, eps), ref,
+                         what=f"gemma_rms_norm，x {list(x.shape)}，eps={eps:g}", rand=r, looks_like=wrong)
+            fresh = m.GemmaRMSNorm(h, eps=eps)
+            assert_close(fresh(x), _core(x, eps), what="刚构造的 GemmaRMSNorm（权重为 0）应是纯 norm(x)", rand=r,
+                         looks_like=[(torch.zeros_like(x), M_GEMMA_W)])
+            out = _copy(fresh, hf)(x)
+            if isinstance(out, tuple):
+                raise AssertionError("GemmaRMSNorm(x)：residual=None 时应只返回 normed 张量，不是 tuple")
+            assert_close(out, ref, what=f"GemmaRMSNorm(x)，x {list(x.shape)}", rand=r,
+                         looks_like=wrong + [((1 + hf.weight) * _core(x, 1e-6), M_SELF_EPS)])
+        record_case(f"gemma:lead-{lead_label}")
+    _record_rows("gemma")
+    record_case("gemma:fresh-zero-weight")
+    record_case("gemma:module-eps-non-default")
 
 
 @point("RMSNormGated 与 Qwen3_5RMSNormGated 一致")
@@ -258,6 +284,7 @@ def test_rmsnorm_gated_matches_hf():
                              (F.silu(EX_W * n) * EX_Z, M_GATED_SILU_X),
                              (EX_W * _core(EX_X * F.silu(EX_Z), 1e-6), M_GATED_BEFORE),
                              (EX_W * n * torch.sigmoid(EX_Z), M_GATED_SIGMOID)])
+    record_case("card:rms_norm_gated")
 
     # Gated DeltaNet applies it per value head: x, z [T, num_v_heads, head_v_dim], weight [head_v_dim]
     d, eps = r.int(8, 64), _eps(r)
@@ -284,6 +311,9 @@ def test_rmsnorm_gated_matches_hf():
                               (((w * n).to(dtype) * F.silu(zf)).to(dtype), M_Q3_FP32)]
                 _assert_bf16(fn_out, ref, what=f"rms_norm_gated，{what}", r=r, looks_like=bf16_wrong)
                 _assert_bf16(mod_out, ref, what=f"RMSNormGated(x, z)，{what}", r=r, looks_like=bf16_wrong)
+        record_case(f"gated:{'fp32' if dtype == torch.float32 else 'bf16'}")
+    _record_rows("gated")
+    record_case("gated:lead-[N,nv,dv]")
 
 
 @point("bf16 下两种 cast 顺序与 HF 逐位一致")
@@ -294,6 +324,7 @@ def test_bf16_cast_orders_bit_exact():
                  looks_like=[(EX_BF16_GEMMA, M_Q3_FP32)])
     _assert_bf16(m.gemma_rms_norm(EX_BF16_X, (EX_BF16_W.float() - 1).to(BF16), 1e-6), EX_BF16_GEMMA,
                  what="逐步图 bf16 gemma_rms_norm", r=r, looks_like=[(EX_BF16_QWEN3, M_GEMMA_CAST)])
+    record_case("card:bf16-cast-orders")
 
     h, eps = r.int(64, 160), 1e-6
     lead = (r.int(8, 16),)
@@ -309,3 +340,5 @@ def test_bf16_cast_orders_bit_exact():
                    ((n.to(BF16) * (1 + hg.weight.float())).to(BF16), M_GEMMA_CAST)]
         _assert_bf16(_copy(m.GemmaRMSNorm(h, eps=eps).to(BF16), hg)(x), hg(x),
                      what=f"GemmaRMSNorm，bf16 x {list(x.shape)}", r=r, looks_like=g_wrong)
+    record_case("bf16:RMSNorm")
+    record_case("bf16:GemmaRMSNorm")

@@ -25,7 +25,8 @@ from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeThinkerTextRotaryEmbedding
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import apply_rotary_pos_emb as hf_apply_omni
 
-from checks.kit import Rand, assert_close, assert_dtype, assert_equal, crash_text, explain_crash, impl, point
+from checks.kit import (Rand, assert_close, assert_dtype, assert_equal, crash_text, explain_crash, impl, point,
+                        record_case)
 
 transformers.utils.logging.set_verbosity_error()
 
@@ -45,6 +46,13 @@ BOUND = "交错规则的上界写成 i < sec[k]，应为 i < 3·sec[k]"
 UNCHECKED = "没有检查 rotary_dim（奇数、0 或大于 head_dim 时应抛 ValueError）"
 PERSISTENT = "register_buffer 没写 persistent=False（默认是 True），cos/sin 表或 MRoPE 的轴 buffer 进了 state_dict"
 TRUEDIV = "没有 head_dim 字段时用 / 算 head_dim（hidden_size / num_attention_heads 得到 float）"
+BF16_AT_USE = ("cos/sin 以 bf16 参与了旋转（存成了 bf16，或在旋转前转成了 q.dtype）：cos/sin 要保持 fp32，"
+               "在 fp32 里旋转后再转回 q.dtype")
+ATTR_FACTOR = ("config 的 rope_parameters 里没有 partial_rotary_factor 时，没有读同名属性 config.partial_rotary_factor"
+               "（转了全部 head_dim 维）")
+ATTR_THETA = "config 的 rope_parameters 里没有 rope_theta 时，没有读同名属性 config.rope_theta（用了默认的 10000）"
+OMNI_DEFAULT = ("Omni thinker 的 config 没写 mrope_section 时用了 Qwen3.5 的 [11, 11, 10]；"
+                "默认值按 model_type 取 HF 该模型的值（qwen3_omni_moe_text 是 [24, 20, 20]）")
 FORMULA = ("只有大位置处与 HF 不一致：inv_freq 或角度的 fp32 算法与 HF/vLLM 不同（例如 base**(-x) 或先用 fp64）。"
            "p≈30000 时 inv_freq 差 1 ulp，角度就差约 1e-3；请照抄 1.0 / base ** (arange(0, R, 2, dtype=float32) / R) "
            "与 outer(arange(P, dtype=float32), inv_freq)")
@@ -124,7 +132,8 @@ def packed_positions(r: Rand) -> torch.Tensor:
     fresh = torch.arange(r.int(2, 6))
     chunk_start = r.int(100, 5000)
     chunk = torch.arange(chunk_start, chunk_start + r.int(2, 5))
-    decode = torch.tensor([30000, r.int(1, P - 1), r.int(20000, P - 1)])
+    # decode tokens out of order, the last position P - 1, and a token of another sequence at the chunk's position
+    decode = torch.tensor([30000, r.int(1, P - 1), P - 1, r.int(20000, P - 1), chunk_start])
     segments = [fresh, chunk, decode]
     r.py.shuffle(segments)
     return torch.cat(segments)
@@ -160,6 +169,17 @@ def assert_rope(actual, expected, positions, *, what, rand, looks_like=()):
                 and "看起来像易错点" not in str(exc)):
             raise AssertionError(f"{exc}\n  看起来像易错点：{FORMULA}") from None
         raise
+
+
+def assert_bf16_rope(actual, expected, *, what, rand, looks_like=()):
+    """bf16 q/k through forward: bf16 out, equal bits to the fp32 rotation cast once (at most 1 % of the elements
+    one bf16 ulp away: an equivalent fp32 formula, e.g. x*cos + rotate_half(x)*sin, may flip a rounding)."""
+    assert_dtype(actual, torch.bfloat16, what=what, mistake="结果没有转回输入 dtype")
+    if actual.shape == expected.shape:
+        a, e = actual.view(torch.int16).int(), expected.view(torch.int16).int()
+        if (a - e).abs().max() <= 1 and (a != e).float().mean() <= 0.01:
+            return
+    assert_equal(actual, expected, what=what + "（bf16 逐位比较）", rand=rand, looks_like=looks_like)
 
 
 def assert_no_state(rope, *, what):
@@ -234,6 +254,10 @@ def test_rotate_half_pairing():
     assert_dtype(out, torch.bfloat16, what="apply_rotary(bf16 x) 的输出", mistake="结果没有转回输入 dtype")
     assert_close(out.float(), ref_rotate(x.bfloat16().float(), cos, sin), what="apply_rotary(bf16 x)", rand=r,
                  atol=2e-2, rtol=2e-2)
+    record_case("card:rotate-half")
+    record_case("rotate_half:random")
+    record_case("apply_rotary:fp32")
+    record_case("apply_rotary:bf16")
 
 
 @point("cos/sin cache 是 fp32，大位置也精确")
@@ -271,6 +295,10 @@ def test_cache_fp32_precise():
     # every position against HF's fp32 formula (tokens at p ~ 30000 are where precision shows)
     assert_rope(cache, exact, torch.arange(P), what="cos_sin_cache（全部位置，对照 HF 的 fp32 公式）", rand=r,
                 looks_like=[(exact.bfloat16().float(), BF16)])
+    record_case("card:cache-row-2")
+    record_case("cache:fp32-under-bf16-default")
+    record_case("cache:shape-[P,R]")
+    record_case("cache:not-persistent")
 
 
 @point("packed 多序列、任意位置（含 decode 位置 30000）与 HF Qwen3 一致")
@@ -306,10 +334,22 @@ def test_packed_positions_vs_qwen3():
     assert_rope(k_out, k_ref, positions, what="k 旋转结果（nKV 个头，同样的位置）", rand=r,
                 looks_like=[(ref_rope(cache, torch.arange(n), k_in, head_dim), ARANGE)])
 
-    # bf16 q/k come back as bf16
-    q16, k16 = rope(positions, q_in.bfloat16(), k_in.bfloat16())
-    assert_dtype(q16, torch.bfloat16, what="bf16 q 的输出", mistake="结果没有转回输入 dtype")
-    assert_dtype(k16, torch.bfloat16, what="bf16 k 的输出", mistake="结果没有转回输入 dtype")
+    for case in ("pos:packed-sequences", "pos:decode-30000", "pos:max-position-1", "pos:unsorted",
+                 "pos:repeated", "pos:chunk-starts-mid-sequence"):
+        record_case(case)
+
+    # bf16 q/k (what the engine feeds) come back as bf16, rotated in fp32 with the fp32 table and cast once
+    q16, k16 = q_in.bfloat16(), k_in.bfloat16()
+    q16_out, k16_out = rope(positions, q16.clone(), k16.clone())
+    assert_bf16_rope(q16_out, ref_rope(cache, positions, q16.float(), head_dim).bfloat16(),
+                     what="bf16 q 的输出", rand=r,
+                     looks_like=[(ref_rope(cache.bfloat16().float(), positions, q16.float(), head_dim).bfloat16(),
+                                  BF16_AT_USE)])
+    assert_bf16_rope(k16_out, ref_rope(cache, positions, k16.float(), head_dim).bfloat16(),
+                     what="bf16 k 的输出", rand=r,
+                     looks_like=[(ref_rope(cache.bfloat16().float(), positions, k16.float(), head_dim).bfloat16(),
+                                  BF16_AT_USE)])
+    record_case("dtype:bf16-qk")
 
 
 @point("partial rotary 与 HF Qwen3.5 一致（只转前 rotary_dim 维）")
@@ -344,6 +384,8 @@ def test_partial_rotary_vs_qwen35():
     assert_rope(q_out, q_ref, positions, what=f"q（head_dim={head_dim}，rotary_dim={rd}）", rand=r, looks_like=wrong)
     assert_rope(k_out, k_ref, positions, what="k", rand=r)
     assert_equal(q_out[..., rd:], q_in[..., rd:], what=f"q[..., {rd}:]（不旋转的维度应原样通过）", rand=r)
+    record_case("partial:rotary_dim<head_dim")
+    record_case("heads:nKV<nH")
 
     # rotary_dim must be even and in (0, head_dim]: every run tries an odd one, 0 and one past head_dim
     bad = [(2 * r.int(0, head_dim // 2 - 1) + 1,
@@ -362,6 +404,9 @@ def test_partial_rotary_vs_qwen35():
         except Exception as exc:
             raise AssertionError(f"{call} 应抛 ValueError（{why}），得到 {crash_text(exc)}；{r}") from exc
         raise AssertionError(f"{call} 应抛 ValueError（{why}），却构造成功了；{r}\n  看起来像易错点：{UNCHECKED}")
+    record_case("reject:rotary_dim-odd")
+    record_case("reject:rotary_dim-0")
+    record_case("reject:rotary_dim>head_dim")
 
 
 @point("交错 MRoPE（不同 t/h/w 位置）与 HF Qwen3.5、Omni thinker 一致")
@@ -393,6 +438,9 @@ def test_interleaved_mrope_vs_hf():
                              (ref_rope(cache, pos, x, 8, axes, style="reverse"), SIGN),
                              (ref_rope(cache.bfloat16().float(), pos, x, 8, axes), BF16)])
     assert_no_state(rope, what="RotaryEmbedding(8, 8, 64, 10000.0, mrope_section=[2, 1, 1])")
+    record_case("mrope_axes:sections")
+    record_case("card:mrope")
+    record_case("mrope:axis-not-persistent")
 
     # random sizes (or the real ones) against both HF families, distinct t/h/w positions
     real = r.int(0, 1)
@@ -429,6 +477,7 @@ def test_interleaved_mrope_vs_hf():
         what = f"{name} 对照（head_dim={head_dim}, rotary_dim={rd}, mrope_section={sec}）"
         assert_rope(q_out, q_ref, positions, what=f"q，{what}", rand=r, looks_like=wrong)
         assert_rope(k_out, k_ref, positions, what=f"k，{what}", rand=r)
+        record_case(f"mrope:{name}")
 
 
 @point("纯文本位置（t=h=w）退化为 1-D RoPE")
@@ -451,6 +500,8 @@ def test_text_positions_reduce_to_1d():
     assert_rope(k3, k1, positions, what=f"k，{what}", rand=r)
     q1m, _ = mrope(positions, q.clone(), k.clone())                    # [N] positions into an MRoPE module
     assert_rope(q1m, q1, positions, what="MRoPE 模块收到 1-D positions [N]（纯文本请求）", rand=r)
+    record_case("text:t=h=w")
+    record_case("text:1d-positions-into-mrope")
 
     # and the 1-D result is what HF's Qwen3.5 rotary gives for text (it always runs the 3-axis code)
     cfg = qwen35_config(Qwen3_5TextConfig, head_dim, factor, theta, sec)
@@ -506,6 +557,7 @@ def test_rope_from_config():
         assert_rope(k_out, k_ref, positions, what=f"{name} 的 k", rand=r)
         assert_attributes(rope, name, head_dim=full, rotary_dim=rd, max_position=cfg.max_position_embeddings,
                           base=theta_used, mrope_section=list(hf_rotary.mrope_section) if axes == 3 else None)  # HF's own
+        record_case(f"config:{name.split('（')[0]}")
 
     # rope_parameters without rope_theta (and no rope_theta attribute): the default base 10000.0, which is also
     # what HF's config fills in for Qwen3-MoE when a config.json leaves it out
@@ -528,4 +580,44 @@ def test_rope_from_config():
     assert_rope(q_out, q_ref, positions, what=f"{name} 的 q（base 应为默认的 10000.0）", rand=r)
     assert_attributes(rope, name, head_dim=head_dim, rotary_dim=head_dim, max_position=P, base=10000.0,
                       mrope_section=None)
+    record_case("config:no-rope-theta-default-10000")
 
+    # the attribute form: rope_parameters empty, rope_theta and partial_rotary_factor as the config's own attributes
+    rd_full, theta_attr = 2 * head_dim, r.choice([3e5, 2e7])
+    legacy = copy.deepcopy(Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                       head_dim=rd_full, max_position_embeddings=P))
+    legacy.rope_parameters = None
+    legacy.rope_theta, legacy.partial_rotary_factor = theta_attr, 0.5
+    name = (f"rope_parameters = None、属性 rope_theta={theta_attr:g}、partial_rotary_factor=0.5 的 Qwen3Config"
+            f"（head_dim={rd_full}）")
+    rope = m.rope_from_config(legacy)
+    positions = packed_positions(r)
+    n = positions.numel()
+    q, k = r.randn(n, 4, rd_full), r.randn(n, 2, rd_full)
+    q_out, k_out = rope(positions, q.clone(), k.clone())
+    cache = ref_cache(head_dim, theta_attr)
+    assert_rope(q_out, ref_rope(cache, positions, q, head_dim), positions, what=f"{name} 的 q", rand=r,
+                looks_like=[(ref_rope(ref_cache(rd_full, theta_attr), positions, q, rd_full), ATTR_FACTOR),
+                            (ref_rope(ref_cache(head_dim, 10000.0), positions, q, head_dim), ATTR_THETA)])
+    assert_rope(k_out, ref_rope(cache, positions, k, head_dim), positions, what=f"{name} 的 k", rand=r)
+    assert_attributes(rope, name, head_dim=rd_full, rotary_dim=head_dim, max_position=P, base=theta_attr,
+                      mrope_section=None)
+    record_case("config:attribute-form")
+
+    # an Omni thinker config without mrope_section: HF's default for the model type, [24, 20, 20] (R/2 = 64)
+    theta_omni = r.choice([2e6, 5e6])
+    cfg = Qwen3OmniMoeTextConfig(hidden_size=512, num_attention_heads=4, num_key_value_heads=2,
+                                 max_position_embeddings=P,
+                                 rope_parameters={"rope_type": "default", "rope_theta": theta_omni})
+    name = "没写 mrope_section 的 Qwen3OmniMoeTextConfig（head_dim=128）"
+    rope = m.rope_from_config(cfg)
+    positions = mrope_positions(r)
+    n = positions.shape[1]
+    q, k = r.randn(n, 4, 128), r.randn(n, 2, 128)
+    q_ref, _ = hf_rope(Qwen3OmniMoeThinkerTextRotaryEmbedding(cfg), hf_apply_omni, positions[:, None], q, k)
+    q_out, _ = rope(positions, q.clone(), k.clone())
+    cache = ref_cache(128, theta_omni)
+    assert_rope(q_out, q_ref, positions, what=f"{name} 的 q", rand=r,
+                looks_like=[(ref_rope(cache, positions, q, 128, ref_axes(64, [11, 11, 10])), OMNI_DEFAULT)])
+    assert_attributes(rope, name, mrope_section=[24, 20, 20])
+    record_case("config:omni-default-mrope-section")

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from checks import oracles
-from checks.kit import Rand, assert_close, assert_dtype, assert_equal, explain_crash, impl, point
+from checks.kit import Rand, assert_close, assert_dtype, assert_equal, explain_crash, impl, point, record_case
 
 MODULE = "m03_sparse_moe"
 
@@ -122,6 +122,8 @@ def test_route_matches_hf():
         assert_dtype(weights, x.dtype, what="route 返回的 weights")
         assert_close(weights, ref_w, what=f"route 的权重（norm_topk_prob={norm}）", rand=r,
                      looks_like=_route_variants(x, block.gate.weight.detach(), s["top_k"], norm))
+        record_case(f"route:norm_topk_prob={norm}")
+    record_case("route:ids-int64-weights-x.dtype")
 
 
 @point("thinker MoE 与 HF 一致")
@@ -129,6 +131,7 @@ def test_thinker_block_matches_hf():
     r = Rand()
     block = oracles.thinker_moe_block(r, **_shape(r))
     _check_block(block, r, "Qwen3OmniMoeThinkerTextSparseMoeBlock")
+    record_case("block:thinker-shared-None")
 
 
 @point("talker MoE（含 shared）与 HF 一致")
@@ -137,6 +140,18 @@ def test_talker_block_matches_hf():
     s = _shape(r)
     block = oracles.talker_moe_block(r, shared_inter=s["inter"] + 8, **s)
     _check_block(block, r, "Qwen3OmniMoeTalkerTextSparseMoeBlock")
+    record_case("block:talker-shared")
+
+    # swiglu on its own (k03 / k05 call it for the shared expert): [n, H] with F.linear weights [I, H], [H, I]
+    m = impl(MODULE)
+    hid, inter = s["hidden"], s["inter"]
+    h = r.randn(r.int(1, 6), hid)
+    wg, wu, wd = r.randn(inter, hid, scale=0.3), r.randn(inter, hid, scale=0.3), r.randn(hid, inter, scale=0.3)
+    with explain_crash(CRASHES):
+        got = m.swiglu(h, wg, wu, wd)
+    assert_close(got, (F.silu(h @ wg.T) * (h @ wu.T)) @ wd.T, what=f"swiglu(h {list(h.shape)}, w_gate [I={inter}, H={hid}])",
+                 rand=r, looks_like=[(((h @ wg.T) * F.silu(h @ wu.T)) @ wd.T, "swiglu 把 silu 用在了 up 投影上，应为 silu(h Wg^T) ⊙ (h Wu^T)")])
+    record_case("swiglu:direct")
 
 
 @point("Qwen3-MoE block 与 HF 一致")
@@ -144,6 +159,7 @@ def test_qwen3_moe_block_matches_hf():
     r = Rand()
     block = oracles.qwen3_moe_block(r, norm_topk_prob=True, **_shape(r))
     _check_block(block, r, "Qwen3MoeSparseMoeBlock")
+    record_case("block:qwen3-moe-norm_topk_prob=True")
 
 
 @point("norm_topk_prob=False 变体")
@@ -160,7 +176,9 @@ def test_no_renormalisation():
     assert_close(weights, ref_w, what="route 的权重（norm_topk_prob=False，k 个权重之和应 < 1）", rand=r,
                  looks_like=[(torch.softmax(top_logits, -1), M_TOPK_OR_RENORM),
                              (torch.softmax(ref_w, -1), M_TOPK_FIRST)])
+    record_case("route:norm_topk_prob=False-sum<1")
     _check_block(block, r, "Qwen3MoeSparseMoeBlock（norm_topk_prob=False）", n_tokens=x.shape[0])
+    record_case("block:qwen3-moe-norm_topk_prob=False")
 
 
 @point("单 token 与 batch 一致")
@@ -171,10 +189,17 @@ def test_batch_invariance():
     block = oracles.talker_moe_block(r, shared_inter=s["inter"], **s)
     w = oracles.moe_weights_from_hf(block, m)
     x = r.randn(r.int(6, 16), s["hidden"])
+    # both against HF (an independent oracle), never one of the learner's outputs against the other
+    ref = oracles.hf_moe(block, x)
     with explain_crash(CRASHES):
         batched = m.moe_forward(x, w)
-        alone = torch.cat([m.moe_forward(x[i:i + 1], w) for i in range(x.shape[0])])
-    assert_close(batched, alone, what="moe_forward(x)[i] 与 moe_forward(x[i:i+1])[0]", rand=r, atol=1e-5, rtol=1e-5)
+        alone = [m.moe_forward(x[i:i + 1], w) for i in range(x.shape[0])]
+    assert_close(batched, ref, what=f"moe_forward(x)（batch，N={x.shape[0]}）与 HF", rand=r)
+    record_case("batch:N>1")
+    for i, one in enumerate(alone):
+        assert_close(one, ref[i:i + 1], what=f"moe_forward(x[{i}:{i + 1}])（单 token，N=1 的 decode）与 HF 对同一 token 的输出",
+                     rand=r, atol=1e-5, rtol=1e-5)
+    record_case("decode:N=1")
 
 
 @point("bf16 输入保持 bf16 输出")
@@ -194,6 +219,7 @@ def test_bf16_keeps_dtype():
     assert_equal(weights, ref_w, what="bf16 输入时 route 的权重（norm_topk_prob=True，与 HF 的 bf16 router 逐位比较）",
                  rand=r, looks_like=_route_variants(x16, router, s["top_k"], True))
     assert_equal(ids, ref_ids, what="bf16 输入时 route 的 expert ids（norm_topk_prob=True）", rand=r)
+    record_case("bf16:route-norm_topk_prob=True")
 
     block = oracles.talker_moe_block(r, shared_inter=s["inter"], **s)
     x32 = r.randn(r.int(5, 16), s["hidden"])
@@ -208,6 +234,9 @@ def test_bf16_keeps_dtype():
     assert_dtype(out, torch.bfloat16, what="bf16 输入时 moe_forward 的输出",
                  mistake="fp32 的路由权重把结果 dtype 提升了")
     assert_close(out.float(), ref, what="bf16 的 moe_forward（与 bf16 的 HF 对比）", rand=r, atol=3e-2, rtol=2e-2)
+    if not w16.norm_topk_prob:                      # the talker's config: no renormalisation
+        record_case("bf16:route-norm_topk_prob=False")
+    record_case("bf16:moe_forward-shared")
 
 
 class _MatmulLog(TorchDispatchMode):
@@ -253,6 +282,8 @@ def test_grouped_per_expert():
         if calls > limit:
             raise AssertionError(f"moe_forward 做了 {calls} 次矩阵乘，按 expert 分组最多 {limit} 次"
                                  f"（router 1 次 + {busy} 个非空 expert × 3）：像是在逐 token / 逐 slot 循环；{r}")
+        record_case("grouped:empty-experts" if busy < experts else "grouped:all-experts-busy")
+    record_case("grouped:one-swiglu-per-expert")
 
 
 @point("卡片例子：route（E=4，router=eye，top-2）")
@@ -267,6 +298,7 @@ def test_card_route_example():
     assert_close(weights, torch.tensor([[0.6439, 0.2369], [0.8605, 0.0706]]), what="卡片例子 norm_topk_prob=False 的权重",
                  atol=1e-4, rtol=0, looks_like=[(torch.tensor([[0.7311, 0.2689], [0.9241, 0.0759]]),
                                                  M_TOPK_OR_RENORM)])
+    record_case("card:route")
 
 
 @point("卡片例子：标量版 moe_forward 与 shared expert")
@@ -286,3 +318,4 @@ def test_card_scalar_example():
     with explain_crash(CRASHES):
         out = m.moe_forward(x, w)
     assert_close(out, torch.tensor([[3.9283], [0.8984]]), what="卡片标量例子 + shared expert", atol=1e-4, rtol=0)
+    record_case("card:scalar-moe-shared")

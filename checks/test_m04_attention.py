@@ -15,7 +15,7 @@ from transformers import Qwen3Config, Qwen3_5TextConfig
 from transformers.models.qwen3 import modeling_qwen3 as hf_qwen3
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen3_5
 
-from checks.kit import TOL, OpCount, Rand, assert_close, assert_dtype, explain_crash, impl, point
+from checks.kit import TOL, OpCount, Rand, assert_close, assert_dtype, explain_crash, impl, point, record_case
 
 MODULE = "m04_attention"
 BF16 = torch.bfloat16
@@ -46,6 +46,8 @@ M_GATE_RAW = "gate 没过 sigmoid：应为 o * sigmoid(gate)"
 M_PLAIN_NORM = "gated attention 的 q/k norm 用了普通 RMSNorm（乘 w）：Qwen3.5 的 q_norm / k_norm 是 (1+w) 的 GemmaRMSNorm"
 M_NORM_EPS = "q_norm / k_norm 没有用传入的 rms_norm_eps（用了默认的 1e-6）"
 M_GEMMA_IN_QWEN3 = "Qwen3 的 q/k norm 用了 (1+w) 的 GemmaRMSNorm：Qwen3 是普通 RMSNorm（乘 w）"
+BF16_CRASHES = {"same dtype": "bf16 的模块里出现了 fp32 张量：某一步把结果提升成了 fp32（例如在 fp32 里算了 gate 的 sigmoid，"
+                              "或 attention 输出没转回 q.dtype），进 o_proj 时与 bf16 的权重 dtype 不一致"}
 
 CRASHES = {
     "must match the size of tensor": "形状对不上。常见原因：" + M_GATE_AFTER + "；或忘了 GQA（k/v 只有 nKV 个 head）",
@@ -226,6 +228,34 @@ def load_from_hf(mine: torch.nn.Module, hf, hidden: int, q_rows: int, kv_rows: i
         mine.k_norm.weight.copy_(hf.k_norm.weight)
 
 
+def assert_attention_attrs(attn, *, what: str, heads: int, head_dim: int, scale: float, kv_heads: int) -> None:
+    """Attention keeps its four arguments (the engine reads them to size the KV cache) and starts without a cache."""
+    want = dict(num_heads=heads, head_dim=head_dim, scale=scale, num_kv_heads=kv_heads, k_cache=None, v_cache=None)
+    for name, expected in want.items():
+        if not hasattr(attn, name):
+            raise AssertionError(f"{what}：应有属性 {name}（= {expected!r}；后面的 engine 读它分配和绑定 KV cache）")
+        got = getattr(attn, name)
+        ok = got is None if expected is None else (isinstance(got, (int, float)) and abs(got - expected) <= 1e-12)
+        if not ok:
+            raise AssertionError(f"{what}：{name} 应为 {expected!r}，得到 {got!r}")
+
+
+def check_bf16_module(mine, cfg, hf, x, positions, lens, gated: bool, r: Rand, what: str) -> None:
+    """The engine runs the model in bf16: the module in bf16 gives bf16, close to HF in fp32 on the same rounded
+    weights and inputs (the loose tolerance covers the bf16 rounding of every intermediate)."""
+    m = impl(MODULE)
+    hf_r = copy.deepcopy(hf).to(BF16).float()
+    x16 = x.to(BF16)
+    ref = hf_packed(cfg, hf_r, x16.float(), lens, gated=gated)
+    mine16 = copy.deepcopy(mine).to(BF16)
+    mine16.rotary = mine.rotary                            # .to() would cast the fp32 cos/sin table too
+    with explain_crash({**CRASHES, **BF16_CRASHES}), torch.no_grad():
+        out = mine16(positions, x16, m.AttentionContext.from_seqlens(lens))
+    assert_dtype(out, BF16, what=f"bf16 的 {what} 输出", mistake=M_DTYPE)
+    assert_close(out.float(), ref, what=f"bf16 的 {what}（与 HF 在 fp32 里、同样舍入过的权重和输入上对比）", rand=r,
+                 atol=8e-2, rtol=8e-2)
+
+
 def _sizes(r: Rand, head_dims) -> dict:
     """Tiny random sizes with real GQA (nKV >= 2, g >= 2) and hidden != nH * D (so o_proj is not square)."""
     kv_heads, group = r.int(2, 3), r.int(2, 3)
@@ -253,7 +283,8 @@ def test_varlen_matches_naive_with_prefix():
     # prefixes, so Nk - Nq, max_seqlen_k - max_seqlen_q and each sequence's Lk - Lq are different numbers
     a = r.int(2, 3)
     b_q, c_q = r.int(1, 3), r.int(2, 4)
-    layout = [(a, a), (b_q, b_q + r.int(4, 6)), (c_q, c_q + r.int(1, 2))] + [(1, 1 + r.int(0, 5))] * r.int(0, 1)
+    # plus, every run, a decode step (Lq = 1 after a cached prefix) and a one-token sequence (its output is its v)
+    layout = [(a, a), (b_q, b_q + r.int(4, 6)), (c_q, c_q + r.int(1, 2)), (1, 1 + r.int(1, 5)), (1, 1)]
     r.py.shuffle(layout)
     lens_q, lens_k = [lq for lq, _ in layout], [lk for _, lk in layout]
     q = r.randn(sum(lens_q), heads, d)
@@ -273,14 +304,22 @@ def test_varlen_matches_naive_with_prefix():
         out = m.varlen_attention(q, k, v, _cu(lens_q), _cu(lens_k), scale)
     what = f"varlen_attention（lens_q={lens_q}, lens_k={lens_k}, nH={heads}, nKV={kv_heads}）"
     assert_close(out, ref, what=what, rand=r, looks_like=looks_like)
+    for case in ("varlen:no-prefix", "varlen:cached-prefix", "varlen:prefixes-differ", "varlen:decode-Lq=1",
+                 "varlen:one-token-sequence"):
+        record_case(case)
 
     ctx = m.AttentionContext(cu_seqlens_q=_cu(lens_q), cu_seqlens_k=_cu(lens_k),
                              max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
     with explain_crash(CRASHES):
         attn = m.Attention(heads, d, scale, kv_heads)
+    assert_attention_attrs(attn, what=f"Attention({heads}, {d}, {scale:.4g}, {kv_heads})", heads=heads, head_dim=d,
+                           scale=scale, kv_heads=kv_heads)
+    record_case("attention:attributes-no-cache")
+    with explain_crash(CRASHES):
         out = attn(q, k, v, ctx)
     assert_close(out, ref, what="Attention.forward(q, k, v, ctx)（应按 ctx 的 cu_seqlens 调 varlen_attention）",
                  rand=r, looks_like=looks_like)
+    record_case("attention:forward-ctx")
 
 
 @point("GQA 分组：query head h 读 kv head h // g")
@@ -303,6 +342,7 @@ def test_gqa_grouping():
     tiled = tags[h % kv_heads][None, :, None].expand(n, heads, d)
     assert_close(out, expected, what=f"每个 query head 读到的 kv head 标签（nH={heads}, nKV={kv_heads}, g={group}）",
                  rand=r, looks_like=[(tiled, M_REPEAT)])
+    record_case("gqa:nKV>=2,g>=2")
 
 
 @point("按序列计算，不逐 token 循环")
@@ -322,6 +362,7 @@ def test_no_loop_over_tokens():
     if counts[1] > counts[0] + 16:
         raise AssertionError(f"同样 2 条序列，每条 4 个 token 时执行了 {counts[0]} 个 torch 算子，每条 40 个 token 时 "
                              f"{counts[1]} 个：算子数随 token 数增长\n  看起来像易错点：{M_TOKEN_LOOP}；{r}")
+    record_case("loop:ops-independent-of-tokens")
 
 
 @point("Qwen3Attention 与 HF 逐序列一致（packed 多序列）")
@@ -349,6 +390,12 @@ def test_qwen3_attention_matches_hf():
         out = mine(positions, x, m.AttentionContext.from_seqlens(lens))
     assert_close(out, ref, what=f"Qwen3Attention 输出（lens={lens}, nH={s['heads']}, nKV={s['kv_heads']}, "
                  f"D={s['head_dim']}）", rand=r, looks_like=looks_like)
+    assert_attention_attrs(mine.attn, what="Qwen3Attention.attn", heads=s["heads"], head_dim=s["head_dim"],
+                           scale=s["head_dim"] ** -0.5, kv_heads=s["kv_heads"])
+    record_case("qwen3:packed-fp32")
+    record_case("qwen3:qk-norm-eps-non-default")
+    check_bf16_module(mine, cfg, hf, x, positions, lens, False, r, "Qwen3Attention")
+    record_case("qwen3:bf16-module")
 
 
 @point("不跨序列泄漏")
@@ -357,28 +404,36 @@ def test_no_cross_sequence_leakage():
     rope = impl("m02_rope")
     r = Rand()
     s = _sizes(r, head_dims=[8, 16])
+    cfg, hf = _qwen3(r, **s)
     lens = [r.int(2, 6), r.int(2, 6), r.int(2, 6)]
     x = r.randn(sum(lens), s["hidden"])
     positions = torch.cat([torch.arange(n) for n in lens])
     with explain_crash(CRASHES):
-        mine = m.Qwen3Attention(s["hidden"], s["heads"], s["kv_heads"], s["head_dim"], 1e-6,
-                                rope.RotaryEmbedding(s["head_dim"], s["head_dim"], 64, 10000.0))
-    r.init_(mine)
+        mine = m.Qwen3Attention(s["hidden"], s["heads"], s["kv_heads"], s["head_dim"], cfg.rms_norm_eps,
+                                rope.rope_from_config(cfg))
+    load_from_hf(mine, hf, s["hidden"], s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"])
     ctx = m.AttentionContext.from_seqlens(lens)
     a, b = lens[0], lens[0] + lens[1]
     x2 = x.clone()
     x2[a:b] = r.randn(lens[1], s["hidden"])                                 # change only sequence 2
+    # every output against HF run one sequence at a time (never one of the learner's outputs against another)
+    ref, ref2 = hf_packed(cfg, hf, x, lens, gated=False), hf_packed(cfg, hf, x2, lens, gated=False)
     with explain_crash(CRASHES), torch.no_grad():
         out, out2 = mine(positions, x, ctx), mine(positions, x2, ctx)
         alone = mine(positions[:a], x[:a], m.AttentionContext.from_seqlens(lens[:1]))
-    checks = ((out2[:a], out[:a], "改了第 2 条序列之后，第 1 条序列的输出",
+    assert_close(out, ref, what=f"Qwen3Attention 输出（lens={lens}）", rand=r,
+                 looks_like=[(hf_variant(cfg, hf, x, lens, False, whole_pack=True), M_PACK)])
+    # out matches HF: a mismatch below is the output of one sequence moving with another sequence's tokens
+    checks = ((out2[:a], ref2[:a], "改了第 2 条序列之后，第 1 条序列的输出（与 HF 对比）",
                "第 1 条序列看到了它后面的 token：mask 不是 causal，或者跨序列了"),
-              (out2[b:], out[b:], "改了第 2 条序列之后，第 3 条序列的输出", M_PACK),
-              (out[:a], alone, "第 1 条序列在 pack 里的输出与单独算的输出", M_PACK))
+              (out2[b:], ref2[b:], "改了第 2 条序列之后，第 3 条序列的输出（与 HF 对比）", M_PACK),
+              (alone, ref[:a], "第 1 条序列单独算（一条序列的 ctx）的输出（与 HF 对比）", M_PACK))
     for got, want, what, mistake in checks:
         if not torch.allclose(got, want, atol=1e-5, rtol=1e-5):
             err = (got - want).abs().max().item()
             raise AssertionError(f"{what}不一致（最大差 {err:.3g}，lens={lens}）\n  看起来像易错点：{mistake}；{r}")
+    record_case("leak:change-one-sequence")
+    record_case("leak:sequence-alone")
 
 
 @point("bf16：scores 与 softmax 在 fp32，输出保持 q.dtype")
@@ -418,6 +473,8 @@ def test_bf16_scores_in_fp32():
             start += n
     assert_close(out, ref, what="bf16 的 varlen_attention（与 fp32 scores/softmax 的结果对比）", rand=r,
                  looks_like=[(wrong.to(BF16), M_BF16)], **TOL[BF16])
+    record_case("bf16:varlen-scores-fp32")
+    record_case("bf16:varlen-output-dtype")
 
 
 @point("GatedAttention 与 HF Qwen3_5Attention 一致")
@@ -450,6 +507,12 @@ def test_gated_attention_matches_hf():
         out = mine(positions[None].expand(3, -1), x, m.AttentionContext.from_seqlens(lens))   # text positions [3, N]
     assert_close(out, ref, what=f"GatedAttention 输出（lens={lens}, nH={s['heads']}, nKV={s['kv_heads']}, "
                  f"D={s['head_dim']}, rotary_dim={rotary_dim}）", rand=r, looks_like=looks_like)
+    assert_attention_attrs(mine.attn, what="GatedAttention.attn", heads=s["heads"], head_dim=s["head_dim"],
+                           scale=s["head_dim"] ** -0.5, kv_heads=s["kv_heads"])
+    record_case("gated:packed-fp32-text-positions-[3,N]")
+    record_case("gated:partial-rotary-scale-D")
+    check_bf16_module(mine, cfg, hf, x, positions[None].expand(3, -1), lens, True, r, "GatedAttention")
+    record_case("gated:bf16-module")
 
 
 # ----------------------------------------------------------------------------------------------- the card's numbers
@@ -491,6 +554,7 @@ def test_card_varlen_example():
                  looks_like=[(EX_OUT_PACK, M_PACK),
                              (EX_OUT_TOP_LEFT, "cached prefix 时 causal mask 左上对齐（j ≤ i），或 k / v 用 cu_seqlens_q 切了"
                               "（在这个例子里两者结果相同）：k / v 用 cu_seqlens_k 切，序列 b 的 query i 看得到 key j ≤ (Lk_b − Lq_b) + i")])
+    record_case("card:varlen")
 
 
 @point("卡片例子：单 token 的 GatedAttention（per-head gate）")
@@ -507,3 +571,4 @@ def test_card_gated_example():
         out = mine(torch.tensor([0]), torch.tensor([[1.0, 0.0, 0.0, 0.0]]), m.AttentionContext.from_seqlens([1]))
     assert_close(out, EX_GATED, what="卡片逐步图 2 的 GatedAttention 输出", atol=EX_ATOL, rtol=0,
                  looks_like=[(EX_GATED_FLAT, M_FLAT_GATE), (EX_GATED_RAW, M_GATE_RAW), (EX_GATED_AFTER, M_GATE_AFTER)])
+    record_case("card:gated")

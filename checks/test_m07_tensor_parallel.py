@@ -24,7 +24,7 @@ import transformers
 from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig
 
 from checks import hf_models, tp_workers
-from checks.kit import Rand, assert_close, impl, point
+from checks.kit import Rand, assert_close, impl, point, record_case
 
 MODULE = "m07_tensor_parallel"
 TP = tp_workers.WORLD
@@ -58,6 +58,12 @@ M_GDN_GATES = "A_log / dt_bias 没有切：它们和 a、b 一样按 value head 
 M_GDN_VHEADS = "value head 分错了 rank（按 j % tp 轮流分）：每个 rank 要拿连续的 nv/tp 个 value head，这样 value head j 和它读的 key head j // (nv/nk) 在同一个 rank 上"
 M_GDN_NORM = "门控 RMSNorm 的 weight 被切了：它是 [dv]，每个 value head 共用同一份，每个 rank 都要完整保留"
 M_GDN_OUT = "out_proj 不是 row parallel：它的输入是本 rank 的 value head 输出 [N, nv·dv/tp]，要按列切并 all-reduce"
+M_LM_HEAD_NEG = ("去掉补零列时用了负的切片 [:, :-pad]：V 能被 tp 整除时 pad = 0，[:, :-0] 是空的；"
+                 "应取 [:, :V]")
+M_NOT_DIVISIBLE = ("head 数不能被 tp 整除时应报 ValueError（_divide），而不是向下取整：nH、nKV ≥ tp 时的 nKV 都要整除，"
+                   "nKV < tp 时 tp 要是 nKV 的倍数；向下取整的 rank 拼不回完整的 attention")
+M_EXPLICIT = ("显式给出的 (rank, world_size) 与 tp_info() 不一致（比如忘了 init_process_group）时 tensor_parallel 应报 ValueError，"
+              "而不是按给出的 world_size 改写一个没有进程组的模型")
 M_GDN_HEADS = "Gated DeltaNet 层的 num_k_heads / num_v_heads / key_dim / value_dim / conv_dim 没有改成本 rank 的：forward 的 split / view 和状态池都按它们走"
 
 SHAPE_ERROR = re.compile(r"size|shape|exceeds|out of range|must match|expand")
@@ -183,6 +189,7 @@ def _job(r: Rand, folder: Path) -> tuple[dict, dict]:
                         w_v=r.randn(kv * head_dim, hidden))
     job["qkv_merged"] = qkv
     job["vocab"] = _vocab_job(r, 2 * r.int(4, 19) + 1, hidden, TP)     # V odd: the last shard is zero-padded
+    job["vocab:even"] = _vocab_job(r, 2 * r.int(4, 19), hidden, TP)     # V a multiple of tp: no padding at all
     configs = _configs(r)
     for family in MODEL_FAMILIES:
         job[f"model:{family}"], expected[family] = _model_job(family, configs[family], r, folder / family)
@@ -191,7 +198,7 @@ def _job(r: Rand, folder: Path) -> tuple[dict, dict]:
                        rows_q=torch.arange(0.0, 4.0)[:, None], rows_k=torch.arange(4.0, 6.0)[:, None],
                        rows_v=torch.arange(6.0, 8.0)[:, None], emb=torch.arange(10.0, 15.0)[:, None],
                        ids=torch.tensor([4, 0, 3, 2]))
-    job["scenarios"] = ["column_row", "qkv_merged", "vocab", *(f"model:{f}" for f in MODEL_FAMILIES), "card"]
+    job["scenarios"] = ["column_row", "qkv_merged", "vocab", "vocab:even", *(f"model:{f}" for f in MODEL_FAMILIES), "card"]
     return job, expected
 
 
@@ -218,6 +225,14 @@ def _job4(r: Rand, folder: Path) -> tuple[dict, dict]:
                                 w_v=r.randn(kv * head_dim, hidden))
     cases["card"] = dict(hidden=1, head_dim=1, heads=4, kv_heads=2, x=torch.ones(1, 1), w_q=torch.arange(0.0, 4.0)[:, None],
                          w_k=torch.arange(4.0, 6.0)[:, None], w_v=torch.arange(6.0, 8.0)[:, None])
+    # head counts 4 does not split: ValueError when the layer is built (full weights, should a wrong layer take them);
+    # head_dim 4 keeps the layer's row count a multiple of 4, so only the head check itself can refuse
+    for key, heads, kv in (("bad_heads", 4 * r.int(1, 2) + r.choice([1, 2, 3]), 4), ("bad_kv_ge", 8, r.choice([5, 6, 7])),
+                           ("bad_kv_lt", 8, 3)):
+        head_dim = 4
+        cases[key] = dict(hidden=hidden, head_dim=head_dim, heads=heads, kv_heads=kv, x=r.randn(2, hidden),
+                          w_q=r.randn(heads * head_dim, hidden), w_k=r.randn(kv * head_dim, hidden),
+                          w_v=r.randn(kv * head_dim, hidden))
     job["qkv_replicated"] = dict(cases=cases)
     job["vocab"] = _vocab_job(r, 4 * r.int(3, 10) + r.choice([1, 2, 3]), hidden, TP4)
     config = Qwen3Config(vocab_size=4 * r.int(12, 24) + r.choice([1, 2, 3]), hidden_size=r.choice([32, 48]),
@@ -304,6 +319,7 @@ def test_tp1_layers_match_torch():
     r = Rand()
     assert not dist.is_initialized()
     assert m.tp_info() == (0, 1), f"没有初始化 torch.distributed 时 tp_info() 应为 (0, 1)，得到 {m.tp_info()}"
+    record_case("tp_info:no-process-group")
     h, n = r.choice([8, 12]), r.int(3, 9)
     x = r.randn(n, h)
     with _no_dist():
@@ -312,28 +328,34 @@ def test_tp1_layers_match_torch():
         assert col.weight.weight_loader(col.weight, w, ()) == w.numel(), "weight_loader 应返回写入的元素个数"
         col.bias.weight_loader(col.bias, b, ())
         assert_close(col(x), F.linear(x, w, b), what="TP=1 ColumnParallelLinear", rand=r)
+        record_case("tp1:column")
         row = m.RowParallelLinear(2 * h, h, bias=True)
         row.weight.weight_loader(row.weight, w.T.contiguous(), ())
         row.bias.weight_loader(row.bias, b[:h], ())
         x2 = r.randn(n, 2 * h)
         assert_close(row(x2), F.linear(x2, w.T, b[:h]), what="TP=1 RowParallelLinear", rand=r)
+        record_case("tp1:row")
         wq, wk, wv = r.randn(4 * 2, h), r.randn(2 * 2, h), r.randn(2 * 2, h)
         qkv = m.QKVParallelLinear(h, 2, 4, 2)
         count = sum(qkv.weight.weight_loader(qkv.weight, t, (p,)) for t, p in ((wq, "q"), (wk, "k"), (wv, "v")))
         assert count == qkv.weight.numel(), f"QKV 的三次 weight_loader 应共写入 {qkv.weight.numel()} 个值，得到 {count}"
         assert_close(qkv(x), F.linear(x, torch.cat([wq, wk, wv])), what="TP=1 QKVParallelLinear", rand=r)
+        record_case("tp1:qkv")
         merged = m.MergedColumnParallelLinear(h, [h, h])
         merged.weight.weight_loader(merged.weight, w[:h], (0,))
         merged.weight.weight_loader(merged.weight, w[h:], (1,))
         assert_close(merged(x), F.linear(x, w), what="TP=1 MergedColumnParallelLinear", rand=r)
+        record_case("tp1:merged")
         vocab = r.int(9, 30)
         table, ids = r.randn(vocab, h), r.randint(0, vocab, (n,))
         emb = m.VocabParallelEmbedding(vocab, h)
         emb.weight.weight_loader(emb.weight, table, ())
         assert_close(emb(ids), F.embedding(ids, table), what="TP=1 VocabParallelEmbedding", rand=r)
+        record_case("tp1:vocab-embedding")
         head = m.ParallelLMHead(vocab, h)
         head.weight.weight_loader(head.weight, table, ())
         assert_close(head(x), F.linear(x, table), what="TP=1 ParallelLMHead", rand=r)
+        record_case("tp1:lm-head")
 
 
 @point("world_size 1：tensor_parallel 原样返回同一个模型，不碰 torch.distributed")
@@ -353,6 +375,17 @@ def test_world_size_one_is_untouched():
     after = {name: id(mod) for name, mod in model.named_modules()}
     assert after == modules, "world_size 1 时不应替换任何子模块（TP=1 的引擎直接用 m06 的 nn.Linear / nn.Embedding）"
     assert {name: id(p) for name, p in model.named_parameters()} == params, "world_size 1 时参数应保持原样"
+    record_case("tp1:explicit-world-size-1")
+    record_case("tp1:from-tp_info")
+    fresh = m06.build_model(_configs(r)["qwen3"])
+    world = r.choice([2, 4])
+    try:
+        m.tensor_parallel(fresh, r.int(0, world - 1), world)
+    except ValueError:
+        record_case("tp:explicit-rank-world-mismatch")
+    else:
+        raise AssertionError(f"没有初始化 torch.distributed 时 tensor_parallel(model, rank, world_size={world}) 应报 ValueError"
+                             f"\n  看起来像易错点：{M_EXPLICIT}")
 
 
 # ------------------------------------------------------------------------------------------ TP=2 (2 processes)
@@ -380,6 +413,8 @@ def test_column_and_row():
                      looks_like=[(partial[rank] + j["b_row"], M_NO_ALL_REDUCE),
                                  (partial[rank], M_NO_ALL_REDUCE),
                                  (full + (TP - 1) * j["b_row"], M_BIAS_TWICE)])
+    record_case("tp2:column-concat")
+    record_case("tp2:row-all-reduce-bias-once")
 
 
 @point("TP=2：QKVParallelLinear（GQA nKV=2、gated q）与 MergedColumnParallelLinear 的分片落在正确的行")
@@ -402,6 +437,7 @@ def test_qkv_and_merged():
             assert_close(d[f"{key}_y"], F.linear(x, local), rand=r,
                          what=f"rank {rank} 的 {what} 输出（本 rank 的 [q | k | v] head）",
                          looks_like=[(F.linear(x, halves[rank]), M_QKV_HALVES)])
+        record_case(f"tp2:qkv-{key}")
     gate, up = _per_rank(j["w_gate"]), _per_rank(j["w_up"])
     one = _per_rank(torch.cat([j["w_gate"], j["w_up"]]))
     for rank, d in enumerate(data):
@@ -409,27 +445,35 @@ def test_qkv_and_merged():
         assert d["merged_count"] == local.numel(), f"gate/up 两次 weight_loader 应共写入 {local.numel()} 个值"
         assert_close(d["merged_y"], F.linear(x, local), what=f"rank {rank} 的 MergedColumnParallelLinear 输出（[gate 段 | up 段]）",
                      rand=r, looks_like=[(F.linear(x, one[rank]), M_MERGED_ONE)])
+    record_case("tp2:merged-gate-up")
 
 
 @point("TP=2：VocabParallelEmbedding 屏蔽分片外的 id，ParallelLMHead 拼回完整 logits")
 def test_vocab_embedding_and_lm_head():
     impl(MODULE)
     _check_vocab(TP)
+    record_case("vocab:V-not-a-multiple-of-tp")
+    record_case("vocab:ids-on-shard-edges")
+    _check_vocab(TP, "vocab:even")
+    record_case("vocab:V-a-multiple-of-tp")
 
 
 def _lm_head_hint(width: int, vocab: int, world: int) -> str:
     """The 易错点 a wrong logits width singles out, as a message tail ("" when it names none)."""
     shard = -(-vocab // world)
     wrong = {vocab // world * world: M_VOCAB_FLOOR, shard: M_LM_HEAD_LOCAL, shard * world: M_LM_HEAD_PAD}
+    if vocab % world == 0:                          # no padding: the widths above are V itself, but [:, :-0] is empty
+        wrong = {0: M_LM_HEAD_NEG}
     mistake = wrong.get(width) if width != vocab else None
     return f"\n  看起来像易错点：{mistake}" if mistake else ""
 
 
-def _check_vocab(world: int) -> None:
-    """The vocab scenario of the run at `world` ranks: V does not divide by world, ids on every shard's edges."""
-    data = _scenario("vocab", world=world)
+def _check_vocab(world: int, name: str = "vocab") -> None:
+    """A vocab scenario of the run at `world` ranks (V does not divide by world unless the name says even), ids on
+    every shard's edges."""
+    data = _scenario(name, world=world)
     run = _RUNS[world]
-    r, j = run["rand"], run["job"]["vocab"]
+    r, j = run["rand"], run["job"][name]
     table, ids = j["weight"], j["ids"]
     vocab, shard = table.shape[0], -(-table.shape[0] // world)
     padded = torch.cat([table, table.new_zeros(shard * world - vocab, table.shape[1])])
@@ -506,6 +550,7 @@ def test_structure_after_rewrite():
                          looks_like=[(_per_rank(gate_up)[rank], M_MERGED_ONE)])
             assert_close(d["expert_local"][1], _per_rank(down, 1)[rank], rand=r,
                          what=f"{family} rank {rank} 加载后的 experts.down_proj[0]（[H, I/tp]）")
+        record_case(f"structure:{family}")
 
 
 def _check_model(family: str, world: int = TP) -> None:
@@ -537,18 +582,23 @@ def test_qwen3_model():
     _check_model("qwen3")
     data = _scenario("model:qwen3")
     assert all(d["tied"] for d in data), f"{M_TIED}（tie_word_embeddings=True 时两者应是同一个 Parameter）"
+    record_case("model:qwen3-tied")
 
 
 @point("TP=2：Qwen3-MoE（dense + MoE 层）与 Qwen3.5-MoE（gated attention + shared expert）整模型 logits 等于 TP=1")
 def test_moe_models():
     _check_model("qwen3_moe")
+    record_case("model:qwen3_moe")
     _check_model("qwen3_5_moe_text")
+    record_case("model:qwen3_5_moe_text-moe")
 
 
 @point("TP=2：Qwen3.5 dense 混合模型与 Qwen3.5-MoE 混合模型（Gated DeltaNet + gated attention）整模型 logits 等于 TP=1")
 def test_hybrid_models():
     _check_model("qwen3_5_text")
+    record_case("model:qwen3_5_text-hybrid")
     _check_model("qwen3_5_moe_text")
+    record_case("model:qwen3_5_moe_text-hybrid")
 
 
 def _strided(t: torch.Tensor, heads: int, rank: int) -> torch.Tensor:
@@ -614,6 +664,7 @@ def test_gdn_sharding():
             for step, got, want in zip(("prefill", "带状态 decode 一步"), d["gdn_steps"], exp["gdn_steps"]):
                 assert_close(got, want, rand=r, atol=1e-4, rtol=1e-4,
                              what=f"{where} 在 GDNStatePool 状态上的 {step} 输出（与 TP=1 比）")
+        record_case(f"gdn:{family}")
 
 
 @point("TP=2：nKV=1 < tp 时每个 rank 复制那一个 KV head，整模型 logits 等于 TP=1")
@@ -628,6 +679,7 @@ def test_replicated_kv_heads():
         _check_heads(f"nKV=1 的 Qwen3 rank {rank}", d, config, TP)
         assert_close(d["qkv_local"], torch.cat([q.chunk(TP)[rank], kv]), atol=0, rtol=0, rand=_RUNS[TP]["rand"],
                      what=f"rank {rank} 第 0 层 qkv_proj 的本地行（[我的 q head | 那一个 k head | 那一个 v head]）")
+    record_case("tp2:nkv1-replicated")
 
 
 def _qkv_case_error(key: str, c: dict, err: dict, control_ok: bool) -> str:
@@ -672,12 +724,26 @@ def test_tp4_replication_and_vocab():
             assert d[f"{key}_count"] == local.numel(), \
                 f"TP=4 rank {rank}：nKV={kv} 的 q/k/v 三次 weight_loader 应共写入 {local.numel()} 个值，得到 {d[f'{key}_count']}"
             assert_close(d[f"{key}_y"], F.linear(c["x"], local), rand=r, what=f"{what}：输出")
+        record_case(f"tp4:qkv-{key}")
+    for key, what in (("bad_heads", "nH 不能被 tp 整除"), ("bad_kv_ge", "nKV ≥ tp 却不能被 tp 整除"),
+                      ("bad_kv_lt", "nKV < tp 而 tp 不是 nKV 的倍数")):
+        c = cases[key]
+        for rank, d in enumerate(data):
+            err = d.get(f"{key}_error")
+            assert err and err["type"] == "ValueError" and err["stage"] == "init", (
+                f"TP=4、nH={c['heads']}、nKV={c['kv_heads']}（{what}）：QKVParallelLinear 构造时应报 ValueError，"
+                + (f"rank {rank} 得到 {err['type']}（{err['stage']}）: {err['message']}" if err else
+                   f"rank {rank} 却收下了（num_heads, num_kv_heads = {d.get(f'{key}_heads')}）")
+                + (f"\n  看起来像易错点：{M_NOT_DIVISIBLE}" if not err or err["stage"] != "init" else ""))
+        record_case(f"qkv:value-error-{key.removeprefix('bad_')}")
     _check_vocab(TP4)
+    record_case("tp4:vocab-V-not-a-multiple-of-4")
     _check_model("qwen3_tp4", TP4)
     exp = run["expected"]["qwen3_tp4"]
     for rank, d in enumerate(_scenario("model:qwen3_tp4", world=TP4)):
         _check_heads(f"TP=4 nKV=2 的 Qwen3 rank {rank}", d, exp["config"], TP4)
         assert d["tied"], f"TP=4 rank {rank}：{M_TIED}（tie_word_embeddings=True 时两者应是同一个 Parameter）"
+    record_case("tp4:qwen3-nkv2-logits")
 
 
 @point("卡片例子：4×2 权重的 Column→Row 部分和与 all-reduce、QKV 的行号、V=5 的词表分片、GDN 与复制 KV head 的行号")
@@ -703,3 +769,4 @@ def test_card_example():
                          looks_like=[(halves, mistake)])
         assert_close(d["kv1_rows"], torch.tensor([[0.0, 2.0, 3.0], [1.0, 2.0, 3.0]])[rank], atol=0, rtol=0,
                      what=f"卡片例子 rank {rank} 的 qkv_proj 局部行（nH=2, nKV=1：两个 rank 都存 kv head 0）")
+    record_case("card:tp2")

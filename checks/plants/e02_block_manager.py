@@ -85,4 +85,8 @@ PLANTS = [
           old="        self.token_ids = list(token_ids)                 # our own copy: it grows as tokens are generated\n",
           new="        self.token_ids = token_ids\n",
           expect="没有复制调用者的 token 列表"),
+    Plant("allocate_prompt_blocks_only", "allocate 只给 prompt 分块",
+          old="        for i in range(len(hits), seq.num_blocks):\n",
+          new="        for i in range(len(hits), (seq.num_prompt_tokens + self.block_size - 1) // self.block_size):\n",
+          expect="只给 prompt 分了块"),
 ]

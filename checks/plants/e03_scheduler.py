@@ -145,4 +145,8 @@ PLANTS = [
           old="            while not block_manager.can_append(seq):        # its new token opens a block and none is free\n",
           new="            if not block_manager.can_append(seq):\n",
           expect="只抢占一次就 may_append"),
+    Plant("admit_in_preemption_step", "发生抢占的那一步还接纳新请求",
+          old="               and self.num_preemptions == preemptions_before):\n",
+          new="               ):\n",
+          expect="发生抢占的那一步还接纳了请求"),
 ]

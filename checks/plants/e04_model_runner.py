@@ -64,4 +64,19 @@ PLANTS = [
           old="        if self.gdn_pool is not None:\n            self.gdn_pool.free(seq)\n",
           new="",
           expect="没有归还 GDN 槽位"),
+    Plant("cu_seqlens_int64", "ctx 的 int32 字段留成了 int64",
+          old="        cu_seqlens_q=cu_q.int(), cu_seqlens_k=F.pad(context_lens.cumsum(0), (1, 0)).int(),\n",
+          new="        cu_seqlens_q=cu_q, cu_seqlens_k=F.pad(context_lens.cumsum(0), (1, 0)),\n",
+          expect="dtype 与卡片的表不符"),
+    Plant("attention_left_in_fp32", "attention 升到 fp32 算完没有转回输入的 dtype",
+          old="        return varlen_attention(q, keys, values, ctx.cu_seqlens_q, ctx.cu_seqlens_k, self.scale)\n",
+          new="        return varlen_attention(q.float(), keys.float(), values.float(), ctx.cu_seqlens_q, ctx.cu_seqlens_k,\n"
+              "                                self.scale)\n",
+          expect="没有转回输入的 dtype"),
+    Plant("resume_without_state_zeroed", "states() 给没有槽位的序列一律分一个清零的槽位",
+          old="                if seq.num_cached_tokens:\n"
+              "                    raise RuntimeError(f\"sequence {seq.seq_id} resumes at token {seq.num_cached_tokens} without a \"\n"
+              "                                       \"GDN state (prefix caching must be off for hybrid models)\")\n",
+          new="",
+          expect="没有槽位的序列一律"),
 ]

@@ -195,4 +195,38 @@ PLANTS = [
           old="text.find(s, max(0, self.checked - len(s) + 1))",
           new="text.find(s, self.checked)",
           expect="跨过"),
+    # issue 45 (contract table): a form, a stray key and a state the checks now draw on every run
+    Plant("surrogate_checked_before_chat_message", "text 分段里的孤立代理字符没有在 tokenizer 之前挡住",
+          old="        prompt = [chat_message(m, i) for i, m in enumerate(prompt)]\n"
+              "        for i, m in enumerate(prompt):\n"
+              "            _unicode(m[\"content\"], f\"messages[{i}]\")\n",
+          new="        for i, m in enumerate(prompt):\n"
+              "            if isinstance(m, dict) and isinstance(m.get(\"content\"), str):\n"
+              "                _unicode(m[\"content\"], f\"messages[{i}]\")\n"
+              "        prompt = [chat_message(m, i) for i, m in enumerate(prompt)]\n",
+          expect="text 分段里的孤立代理字符"),
+    Plant("chat_too_long_names_prompt", "chat 的 prompt 超过上下文时错误点名了 prompt",
+          old='this model\'s context is {max_model_len}", key,\n',
+          new='this model\'s context is {max_model_len}", "prompt",\n',
+          expect="错误点名了 prompt"),
+    Plant("stream_options_extra_keys_ignored", "stream_options 里的未知键被悄悄忽略",
+          old="    if options and (not body.get(\"stream\") or set(options) != {\"include_usage\"}\n",
+          new="    if options and (not body.get(\"stream\") or \"include_usage\" not in options\n",
+          expect="stream_options 里的未知键被悄悄忽略"),
+    Plant("unfinished_character_dropped", "结束时没有把不完整的字节发出（只发到最后一个完整字符）",
+          old="        end = len(text) if finished or self.stopped else whole - self.hold\n",
+          new="        end = whole if finished or self.stopped else whole - self.hold\n",
+          expect="结束时没有把剩下的文本全部发出"),
+    Plant("finished_requests_kept", "结束的请求没有从 llm.requests 里删掉",
+          old="                    self.llm.requests.pop(request_id, None)\n",
+          new="",
+          expect="没有从 llm.requests 里删掉"),
+    Plant("empty_delta_frames", "增量为空也发了帧",
+          old="            if delta:\n                yield delta, None\n",
+          new="            yield delta, None\n",
+          expect="增量为空也发了帧"),
+    Plant("usage_frame_always", "没有 stream_options 也发了 usage 帧",
+          old="    else:\n        if req.include_usage:\n",
+          new="    else:\n        if True:\n",
+          expect="没有 stream_options 也发了 usage 帧"),
 ]

@@ -82,4 +82,12 @@ PLANTS = [
           old="    mask = (heads < num_kv_heads) & (dims < head_dim)\n",
           new="    mask = (heads < num_kv_heads) & (dims >= 0)\n",
           expect=None),
+    Plant("store_no_head_mask", "nKV 不是 2 的幂时补齐的头没有 mask（store_kvcache 写进了下一个槽位）",
+          old="    mask = (heads < num_kv_heads) & (dims < head_dim)\n",
+          new="    mask = (heads >= 0) & (dims < head_dim)\n",
+          expect="nKV = 3"),
+    Plant("empty_batch_max", "N = 0 时对空的 slot_mapping 求 max（launcher 里的越界自检）",
+          old="    if num_tokens == 0:\n        return\n",
+          new="    assert int(slot_mapping.max()) < k_cache.shape[0] * k_cache.shape[1], \"slot out of range\"\n",
+          expect="N = 0"),
 ]

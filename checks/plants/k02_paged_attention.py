@@ -59,4 +59,8 @@ PLANTS = [
           old="        block_tables.stride(0) if paged else 0, scale * LOG2E, head_dim,\n",
           new="        block_tables.stride(0) if paged else 0, scale * LOG2E, triton.next_power_of_2(head_dim),\n",
           expect=None),
+    Plant("default_num_splits_missing", "TritonPagedAttention 的 num_splits 缺省（None）时没有取 default_num_splits",
+          old="        self.num_splits = num_splits or default_num_splits(k_cache)\n",
+          new="        self.num_splits = num_splits\n",
+          expect="num_splits 缺省"),
 ]

@@ -59,4 +59,8 @@ PLANTS = [
               "        return                                                            # past the last padded block\n",
           new="",
           expect="没有直接 return"),
+    Plant("even_k_branch_reads_gate_for_up", "不需要 K mask 的分支（H 是 BLOCK_K 的整数倍）里 up 读成了 gate 的指针",
+          old="            u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)\n",
+          new="            u = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)\n",
+          expect="整数倍"),
 ]

@@ -81,4 +81,12 @@ PLANTS = [
           old="    kmask, vmask = dks < DK, dvs < DV\n",
           new="    kmask, vmask = dks >= 0, dvs < DV\n",
           expect=None),
+    Plant("decode_out_in_state_dtype", "decode 的输出 o 用了状态的 fp32（应跟 mixed_qkv 的 dtype）",
+          old="    o = torch.empty(B, nv, dv, dtype=mixed_qkv.dtype, device=mixed_qkv.device)\n",
+          new="    o = torch.empty(B, nv, dv, dtype=ssm_pool.dtype, device=mixed_qkv.device)\n",
+          expect="输出 o 的 dtype"),
+    Plant("prefill_out_fp32", "prefill 的输出 o 一律分配成 fp32（应跟 v 的 dtype）",
+          old="    o = torch.empty(N, HV, DV, dtype=dt, device=dev)\n",
+          new="    o = torch.empty(N, HV, DV, dtype=torch.float32, device=dev)\n",
+          expect="输出 o 的 dtype"),
 ]

@@ -91,4 +91,12 @@ PLANTS = [
           old="        self.q_norm = RMSNorm(head_dim, rms_norm_eps)\n        self.k_norm = RMSNorm(head_dim, rms_norm_eps)\n",
           new="        self.q_norm = RMSNorm(head_dim)\n        self.k_norm = RMSNorm(head_dim)\n",
           expect="rms_norm_eps"),
+    Plant("attention_no_cache_attrs", "Attention 没有设 k_cache = v_cache = None",
+          old="        self.k_cache = self.v_cache = None\n",
+          new="",
+          expect="k_cache"),
+    Plant("gate_sigmoid_fp32", "gate 的 sigmoid 在 fp32 里算，bf16 模块的结果被提升成 fp32",
+          old="        o = o * torch.sigmoid(gate)                                # output gate, per head and channel\n",
+          new="        o = o * torch.sigmoid(gate.float())\n",
+          expect="bf16 的模块里出现了 fp32 张量"),
 ]
