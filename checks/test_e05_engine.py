@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from checks import hf_models
-from checks.kit import Rand, explain_crash, impl, point
+from checks.kit import Rand, explain_crash, impl, point, record_case
 from checks.sampling_contract import ContractSampler
 
 MODULE = "e05_engine"
@@ -41,6 +41,10 @@ STREAM_ABORT = ("中途退出 stream 后请求没有 abort：stream 的循环要
 REQUESTS_LEAK = "generate / stream 返回结果后没有把请求从 self.requests 里删掉（pop）：调用越多，表越大（内存泄漏）"
 ABORT_SLOT = "abort 运行中的请求时没有 runner.release(seq)：它的 GDN 状态槽位（和 generator）一直被占着"
 PREEMPT_SLOT = "抢占后没有归还 GDN 状态槽位，重算时带着旧的 conv / recurrent 状态"
+ADD_FAILED_LEAK = ("scheduler.add 抛 ValueError（KV 池永远放不下）的请求留在了 self.requests 里：要等 scheduler.add 成功之后"
+                   "再登记 requests[seq.seq_id]，被拒绝的请求不留痕迹")
+TQDM_COUNT = ("generate(use_tqdm=True) 的进度条应按本步结束的请求数前进，总数是被接受的请求数（坏请求不算）："
+              "每步 bar.update(本步 finished 的事件数)")
 NEW_TOKENS = 32
 
 
@@ -140,6 +144,7 @@ def test_greedy_matches_hf():
     for family in ("qwen3", "qwen3_moe", "qwen3_5_moe_text"):
         llm, prompts, refs, outs, hf = _run(family, r)
         _assert_same(outs, refs, prompts, f"{family} 的 greedy 输出", r, hf)
+        record_case(f"greedy:{family}")
 
 
 @point("prefix 共享：命中的 block 数 > 0，输出不变")
@@ -150,6 +155,7 @@ def test_prefix_cache_hits():
     _assert_same(outs, refs, prompts, "prefix caching 打开时的输出", r, hf)
     hits = llm.stats["prefix_hit_blocks"]
     assert hits > 0, f"3 条 prompt 共享 12 个 token 的前缀，却没有一个 block 命中 prefix cache（stats={llm.stats}）"
+    record_case("prefix:hits")
 
 
 @point("chunked prefill：max_num_batched_tokens 小到必须分块，输出不变")
@@ -159,6 +165,7 @@ def test_chunked_prefill():
         llm, prompts, refs, outs, hf = _run(family, r, max_num_batched_tokens=r.int(4, 8), max_num_seqs=4,
                                             block_size=r.choice([2, 4, 8]))
         _assert_same(outs, refs, prompts, f"{family}：token 预算 {llm.config.max_num_batched_tokens}、block_size {llm.config.block_size} 时的输出", r, hf)
+        record_case(f"chunked:{family}")
 
 
 @point("抢占：KV 池很小，发生了抢占（计数 > 0），输出不变，block 全部归还")
@@ -176,6 +183,7 @@ def test_preemption():
         stats = llm.stats
         assert stats["preemptions"] > 0, f"{family}：KV 池只有 14 个 block 却没有发生抢占（stats={stats}）"
         assert stats["free_blocks"] == stats["total_blocks"], f"{family}：结束后 block 没有全部归还（stats={stats}）"
+        record_case(f"preempt:{family}")
 
 
 @point("压力测试：300+ 个请求、很小的 KV 池，全部完成且与不受限运行逐 token 一致，block 全部归还")
@@ -202,6 +210,7 @@ def test_stress():
     stats = tight.stats
     assert stats["preemptions"] > 0, f"12 个 block 的池子应该逼出抢占（stats={stats}）"
     assert stats["free_blocks"] == stats["total_blocks"], f"结束后有 block 没归还（泄漏）：{stats}"
+    record_case("stress:320-requests-seeded-and-greedy")
 
 
 @point("坏输入：空 prompt、超长 prompt、越界 token id、非法采样参数各自报清楚的错，其余请求照常完成")
@@ -224,6 +233,11 @@ def test_bad_input_is_isolated():
             f"坏请求 {i}（prompt {batch[i] if len(batch[i]) < 8 else '…'}）的错误信息应提到 {needle!r}，得到 {outs[i].error!r}"
             + ("（-1 也不在 [0, vocab_size) 里：只查了上界？）" if i == 5 else ""))
         assert outs[i].token_ids == [], f"坏请求 {i} 不应产生 token"
+    record_case("bad:empty")
+    record_case("bad:too-long")
+    record_case("bad:id>=vocab")
+    record_case("bad:id<0")
+    record_case("bad:neighbours-complete")
     named = re.sub(r"\[\s*0\s*,\s*\d+\s*\)", "", outs[3].error)          # without the range "[0, 80)" itself
     assert re.search(rf"(?<!\d){vocab}(?!\d)", named), (
         f"prompt {batch[3]} 的错误信息应写出第一个越界的 id {vocab}（= vocab_size：词表是 [0, {vocab})，{vocab} 已经越界），"
@@ -231,14 +245,27 @@ def test_bad_input_is_isolated():
                                   if str(vocab + 15) in named else ""))
     assert not re.search(r"\d+%\|", stderr.getvalue()), \
         f"generate(use_tqdm=False)（默认）不应画进度条，stderr 里却有：{stderr.getvalue()[-200:]!r}"
+    # every form sampling_params takes: a SamplingParams, a dict (valid, bad value, misspelled field), another type
+    as_dict = dict(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     with _engine("非法采样参数的 generate"):
-        outs = llm.generate([prompts[0], prompts[1], prompts[2]], [dict(temperature=-1.0), good, dict(temprature=0.0)])
+        outs = llm.generate(prompts[:5], [dict(temperature=-1.0), good, dict(temprature=0.0), as_dict, 0.5])
     assert outs[0].error and "temperature" in outs[0].error, f"非法 temperature 的错误信息：{outs[0].error!r}"
     assert outs[2].error and "temprature" in outs[2].error, f"拼错的采样参数名应是这个请求自己的错误：{outs[2].error!r}"
     _assert_same([outs[1]], [refs[1]], [prompts[1]], "非法采样参数旁边的正常请求", r)
+    record_case("params:dict-bad-value")
+    record_case("params:dict-misspelled-field")
+    if outs[3].error is not None:
+        raise AssertionError(f"sampling_params 为合法的 dict {as_dict}：应按 SamplingParams(**d) 接受，得到错误 {outs[3].error!r}；{r}")
+    _assert_same([outs[3]], [refs[3]], [prompts[3]], f"sampling_params 为 dict {as_dict} 的请求", r, _HF[folder])
+    record_case("params:dict-valid")
+    if not outs[4].error or outs[4].token_ids:
+        raise AssertionError(f"sampling_params 为 0.5（既不是 SamplingParams、dict，也不是 None）：应是这个请求自己的 "
+                             f"ValueError，得到 error={outs[4].error!r}、token_ids={outs[4].token_ids}；{r}")
+    record_case("params:other-type")
     with pytest.raises(ValueError, match="empty"):
         llm.add_request([], good)
     assert not llm.has_unfinished(), "被拒绝的请求不应留在队列里"
+    record_case("bad:add_request-raises-queues-nothing")
 
 
 @point("streaming：逐 token 产出，按请求拼起来等于 generate 的结果")
@@ -246,7 +273,8 @@ def test_streaming():
     m, e01 = impl(MODULE), impl("e01_sampling")
     r = Rand()
     folder, prompts, refs = _case("qwen3", r.seed)
-    llm = m.LLM(str(folder), max_num_batched_tokens=r.int(8, 24), max_num_seqs=r.int(3, 8),
+    # a budget below the longest prompt (the shared prefix alone is 12 tokens): partial prefill steps every run
+    llm = m.LLM(str(folder), max_num_batched_tokens=r.int(8, 12), max_num_seqs=r.int(3, 8),
                 block_size=r.choice([4, 8, 16]))
     got = {i: [] for i in range(len(prompts))}
     finished, events = set(), 0
@@ -262,6 +290,11 @@ def test_streaming():
     assert events == NEW_TOKENS * len(prompts), (f"stream 产出了 {events} 个 token 事件，应为 {NEW_TOKENS * len(prompts)}"
                                                  "\n  看起来像易错点：stream 攒到请求结束才一次性吐出（应在采样出每个 token 的那一步就 yield）")
     _assert_same([type("O", (), {"token_ids": got[i], "error": None}) for i in got], refs, prompts, "stream 的输出", r)
+    record_case("stream:per-token-events")
+    assert max(map(len, prompts)) > llm.config.max_num_batched_tokens     # the check's own premise
+    record_case("stream:partial-prefill-no-event")
+    _assert_idle(llm, "stream 全部读完之后", r)
+    record_case("stream:requests-emptied")
 
 
 M_SPECIAL = "\n  看起来像易错点：解码时没有 skip_special_tokens=True，特殊 token 的字面进了输出文本"
@@ -284,6 +317,7 @@ def test_text_in_text_out():
             and out.text == tok.decode(out.token_ids, skip_special_tokens=False)):       # random weights drew one
         raise AssertionError(f"生成的 token {out.token_ids} 里有特殊 token，得到的文本 {out.text!r} 含它的字面" + M_SPECIAL)
     assert len(out.token_ids) == 6 and out.text == want, f"输出文本应是生成 token 的解码：{out}"
+    record_case("text:str-prompt-decoded")
     # every run: the model is pushed to emit special tokens (<|im_start|>, then eos <|im_end|>)
     special, eos = tok.convert_tokens_to_ids("<|im_start|>"), tok.eos_token_id
     plain = model.compute_logits
@@ -303,6 +337,7 @@ def test_text_in_text_out():
     if out.text is None or "<|" in out.text or out.text != tok.decode(out.token_ids, skip_special_tokens=True):
         raise AssertionError(f"生成了特殊 token {out.token_ids}（{special} = <|im_start|>，{eos} = eos <|im_end|>），"
                              f"文本应按 skip_special_tokens=True 解码、不含它们，得到 {out.text!r}" + M_SPECIAL)
+    record_case("text:special-tokens-skipped")
 
 
 @point("卡片例子：6 个 KV block 上的一次 generate（6 步、两次抢占、一个坏请求）")
@@ -326,6 +361,8 @@ def test_card_example():
     assert (stats["steps"], stats["preemptions"], stats["prefix_hit_blocks"]) == (6, 2, 3), \
         f"卡片例子应是 6 步、2 次抢占、3 个命中的 block，得到 {stats}"
     assert stats["free_blocks"] == 6, f"结束后 6 个 block 应全部空闲：{stats}"
+    record_case("card:6-steps-2-preemptions-bad-request")
+    record_case("card:partial-prefill-no-event")       # B's 10-token prompt takes two steps under a budget of 8
 
 
 # ------------------------------------------------------------------------------------ cleanup and boundaries
@@ -371,6 +408,7 @@ def test_cleanup():
             outs = llm.generate(prompts, _greedy(e01, r.int(2, 6)))
         assert all(o.finished and o.error is None for o in outs), f"第 {call + 1} 次 generate 有请求没完成：{outs}"
         _assert_idle(llm, f"第 {call + 1} 次 generate 之后", r, ENGINE_CRASHES["GDN state pool exhausted"])
+    record_case("cleanup:generate-x3-more-requests-than-slots")
 
     stream = llm.stream(prompts, _greedy(e01, 8))
     with _engine("stream"):
@@ -382,6 +420,7 @@ def test_cleanup():
                              f"（stats={llm.stats}）\n  看起来像易错点：{STREAM_ABORT}；{r}")
     # generate has released finished requests above, and the queues are empty: what holds a slot now was aborted
     _assert_idle(llm, "中途退出 stream 之后（stream 的 finally 对没结束的请求调 abort）", r, ABORT_SLOT)
+    record_case("cleanup:stream-closed-midway")
 
     ids = [llm.add_request(p, _greedy(e01, 12)) for p in prompts[:seqs]]
     with _engine("abort 之前的 step"):
@@ -398,6 +437,7 @@ def test_cleanup():
     for rid in ids:
         llm.requests.pop(rid, None)                            # add_request/step: the caller collects the outputs
     _assert_idle(llm, "abort 一个运行中的请求、其余请求完成之后", r)
+    record_case("cleanup:abort-running-hybrid")
 
 
 @point("抢占（混合模型、带 seed 的采样）：被抢占的序列归还 GDN 槽位、从零状态重算，带 seed 的 token 按 e01 的约定")
@@ -434,6 +474,7 @@ def test_preemption_hybrid_seeded():
         if got != want:
             raise AssertionError(f"请求 {i}（{'seed=' + str(seeds[i]) if i % 2 == 0 else 'greedy'}）：有抢占时得到 {got}，"
                                  f"不受限运行得到 {want}\n  看起来像易错点：{PREEMPT_SLOT}；{r}")
+    record_case("preempt-hybrid:slot-released-seeded")
 
 
 @point("边界：prompt 恰好 max_model_len 被拒绝、max_model_len - 1 生成 1 个 token，bool / 非 int 的 token id 被拒绝，调用者的 prompt 列表不被改动，每个 Sequence 用引擎的 block_size")
@@ -464,6 +505,11 @@ def test_boundaries():
     if batch != before:
         raise AssertionError(f"generate 改动了调用者传进来的 prompt 列表：之前 {before}，之后 {batch}"
                              f"（Sequence 要保存自己的副本再往里追加 token）；{r}")
+    record_case("boundary:prompt==max_model_len")
+    record_case("boundary:prompt==max_model_len-1")
+    record_case("boundary:bool-id")
+    record_case("boundary:float-id")
+    record_case("boundary:caller-list-unchanged")
     with _engine("add_request"):
         rid = llm.add_request(r.randint(0, 64, (r.int(1, 6),)).tolist(), _greedy(e01, 3))
     got = llm.requests[rid].block_size
@@ -471,3 +517,45 @@ def test_boundaries():
     if got != bs:
         raise AssertionError(f"引擎 block_size={bs}，add_request 创建的 Sequence 的 block_size 却是 {got}"
                              f"\n  看起来像易错点：{BLOCK_SIZE}；{r}")
+    record_case("boundary:seq-block_size")
+
+    # sampling_params left out (None -> SamplingParams()), with a progress bar over the accepted requests only
+    shorts = [r.randint(0, 64, (r.int(1, 4),)).tolist() for _ in range(r.int(2, 3))]
+    stderr = io.StringIO()
+    with _engine("generate(prompts, use_tqdm=True)（不给 sampling_params）"), contextlib.redirect_stderr(stderr):
+        outs = llm.generate(shorts + [[]], use_tqdm=True)
+    for i, out in enumerate(outs[:-1]):
+        if out.error is not None or not out.finished or not out.token_ids:
+            raise AssertionError(f"不给 sampling_params（None）时应使用默认的 SamplingParams()：请求 {i} 得到 "
+                                 f"error={out.error!r}、finished={out.finished}、token_ids={out.token_ids}；{r}")
+    if not outs[-1].error:
+        raise AssertionError(f"空 prompt 应得到带 error 的输出，得到 {outs[-1]}；{r}")
+    record_case("params:None-default")
+    last = stderr.getvalue().strip().split("\r")[-1].strip()                # the bar as it was left on screen
+    counts = re.findall(r"(\d+)/(\d+)", last)
+    if counts != [(str(len(shorts)), str(len(shorts)))]:
+        raise AssertionError(f"generate(use_tqdm=True)：{len(shorts)} 个被接受的请求（另有 1 个空 prompt 被拒绝）全部结束后，"
+                             f"进度条最后应显示 {len(shorts)}/{len(shorts)}，得到 {last or '没有进度条'!r}"
+                             f"\n  看起来像易错点：{TQDM_COUNT}；{r}")
+    record_case("generate:tqdm-counts-finished-requests")
+
+    # a request the KV pool can never hold: scheduler.add's ValueError, and no trace of it anywhere
+    small = m.LLM(model, block_size=2, num_kvcache_blocks=4, max_model_len=64)
+    huge, fits = r.randint(0, 64, (r.int(9, 14),)).tolist(), r.randint(0, 64, (r.int(1, 3),)).tolist()
+    with _engine("4 个 KV block 的 generate（有一个永远放不下的请求）"):
+        outs = small.generate([huge, fits], _greedy(e01, 3))
+    if not outs[0].error or outs[0].token_ids:
+        raise AssertionError(f"prompt 长 {len(huge)}、KV 池只有 4 个 2-token block：scheduler.add 的 ValueError 应记在这个请求的 "
+                             f"error 里，得到 error={outs[0].error!r}、token_ids={outs[0].token_ids}；{r}")
+    if outs[1].error or len(outs[1].token_ids) != 3:
+        raise AssertionError(f"放得下的请求应照常生成 3 个 token，得到 {outs[1]}；{r}")
+    if any(s.prompt_token_ids == huge for s in small.requests.values()):
+        raise AssertionError(f"{ADD_FAILED_LEAK}；{r}")
+    with pytest.raises(ValueError):
+        small.add_request(huge, _greedy(e01, 3))
+    if small.has_unfinished() or small.requests:
+        raise AssertionError(f"add_request 因 KV 池放不下而抛 ValueError 之后，调度器或 self.requests 里多出了东西"
+                             f"（waiting {len(small.scheduler.waiting)}、requests {sorted(small.requests)}）\n"
+                             f"  看起来像易错点：{ADD_FAILED_LEAK}；{r}")
+    _assert_idle(small, "KV 池放不下的请求被拒绝之后", r)
+    record_case("bad:pool-can-never-hold-no-trace")

@@ -7,6 +7,7 @@ exercise's take q already scaled, so the checks hand each its own convention.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -15,7 +16,7 @@ import transformers
 from transformers import DynamicCache, Qwen3_5TextConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-from checks.kit import TOL, OpCount, Rand, assert_close, assert_dtype, close, explain_crash, impl, point
+from checks.kit import TOL, OpCount, Rand, assert_close, assert_dtype, close, explain_crash, impl, point, record_case
 
 MODULE = "m05_gated_deltanet"
 transformers.utils.logging.set_verbosity_error()
@@ -54,6 +55,11 @@ CHUNK_TOKEN_LOOP = ("分块形式里逐 token 循环（直接调用了 recurrent
                     "块内应当只有矩阵乘和一次 solve_triangular，只有“块”在循环")
 STATE_BF16 = "递推状态在块与块之间被存成了 v.dtype（bf16）：状态要一直是 fp32，只有输出 o 最后转回 v.dtype"
 NORM_EPS = "RMSNormGated 没有用 config 的 rms_norm_eps（用了默认的 1e-6）：GatedDeltaNet(…, rms_norm_eps) 要传给 norm"
+KEEP_DTYPE = ("bf16 模型（引擎喂的 dtype）：卷积输出、v、o 和层输出都要保持输入的 dtype，"
+              "只有 g、l2norm 之后的 q/k 和递推状态是 fp32")
+BF16 = torch.bfloat16
+ONE_TOKEN_PREFILL = ("decode 的判断漏了 state is not None：state=None 时即使每条序列恰好 1 个 token（N == B）也是从零状态开始的 "
+                     "prefill，没有 conv_state 可读；只有给了 state 且 N == B 才走单步路径")
 
 CRASHES = {
     "Missing key": "参数名必须与 HF Qwen3_5GatedDeltaNet 一致（in_proj_qkv / in_proj_z / in_proj_b / in_proj_a / conv1d / A_log / dt_bias / norm / out_proj）",
@@ -61,6 +67,8 @@ CRASHES = {
     "size mismatch": "参数形状与 HF 不一致（conv1d.weight 是 [C, 1, K]，norm.weight 是 [dv]）",
     "must match the size of tensor": "形状对不上：检查 q/k/v 的 split 与 view、head 的扩展、RMSNormGated 是否按 value head 拆成 [-1, dv]",
 }
+BF16_CRASHES = {"same dtype": KEEP_DTYPE,
+                "weight type": "卷积的输入与 weight 的 dtype 不一致：拼进来的 conv_state（没有时补的零）要与 x 同 dtype（x.new_zeros）"}
 
 
 def _assert_close_lazy(actual, expected: torch.Tensor, *, what: str, rand: Rand, mistakes) -> None:
@@ -103,11 +111,14 @@ def test_conv_prefill_matches_hf():
     m = impl(MODULE)
     r = Rand()
     channels, width = r.int(3, 12), r.int(2, 4)
-    lengths = [r.int(1, 12) for _ in range(r.int(2, 4))] + [r.int(width, 16)]
+    lengths = [1] + [r.int(1, 12) for _ in range(r.int(1, 3))] + [r.int(width, 16)]   # a one-token sequence every run
+    r.py.shuffle(lengths)
     x, cu = _packed(r, lengths, channels)
     weight = r.randn(channels, width, scale=0.5)
     bounds = cu.tolist()
     out, _ = m.causal_conv1d(x, weight, cu)
+    record_case("conv:packed-state-None")
+    record_case("conv:one-token-sequence")
     ref = torch.cat([_hf_conv(x[s:e], weight, None) for s, e in zip(bounds[:-1], bounds[1:])])
     assert_close(out, ref, what="causal_conv1d 输出（conv_state=None）", rand=r,
                  looks_like=[(w, NOT_CAUSAL) for w in _conv_not_causal(x, weight, bounds)]
@@ -119,6 +130,20 @@ def test_conv_prefill_matches_hf():
     ref = torch.cat([_hf_conv(x[s:e], weight, state[i]) for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:]))])
     assert_close(out, ref, what="causal_conv1d 输出（带初始 conv_state）", rand=r,
                  looks_like=[(m.causal_conv1d(x, weight, cu)[0], STATE_IGNORED)])
+    record_case("conv:initial-state")
+
+    # bf16 (the engine's model dtype, its conv_state pool is bf16 too): bf16 in, bf16 out, without and with a state
+    x16, w16, state16 = x.to(BF16), weight.to(BF16), state.to(BF16)
+    for initial, name in ((None, "conv_state=None"), (state16, "带 bf16 的初始 conv_state")):
+        with explain_crash(BF16_CRASHES):
+            out16, new16 = m.causal_conv1d(x16, w16, cu, None if initial is None else initial.clone())
+        assert_dtype(out16, BF16, what=f"bf16 输入时 causal_conv1d 的输出（{name}）", mistake=KEEP_DTYPE)
+        assert_dtype(new16, BF16, what=f"bf16 输入时 causal_conv1d 返回的 conv_state（{name}）", mistake=KEEP_DTYPE)
+        ref16 = torch.cat([_hf_conv(x16[s:e].float(), w16.float(), None if initial is None else initial[i].float())
+                           for i, (s, e) in enumerate(zip(bounds[:-1], bounds[1:]))])
+        assert_close(out16.float(), ref16, what=f"bf16 输入时 causal_conv1d 的输出（{name}；与 fp32 计算比）", rand=r,
+                     atol=2e-2, rtol=2e-2)
+    record_case("conv:bf16")
 
 
 @point("conv_state 保存每条序列最后 K-1 个输入")
@@ -137,6 +162,7 @@ def test_conv_state_keeps_last_inputs():
                        for s, e in zip(bounds[:-1], ends)])
     assert_close(state, ref, what="causal_conv1d 返回的 conv_state（每条序列都不短于 K）", rand=r,
                  looks_like=[(pre, STATE_OUTPUTS), (F.silu(pre), STATE_OUTPUTS)])
+    record_case("conv-state:last-inputs")
 
     # short sequences after the first one: their last K-1 inputs reach into their own initial state
     lengths = [r.int(width, 9)] + [r.int(1, width - 2) for _ in range(r.int(1, 2))] + [r.int(1, 9)]
@@ -150,13 +176,14 @@ def test_conv_state_keeps_last_inputs():
     ignored = torch.stack([F.pad(x[s:e].T, (width - 1, 0))[:, -(width - 1):] for s, e in zip(bounds[:-1], bounds[1:])])
     assert_close(state, ref, what=f"causal_conv1d 返回的 conv_state（序列长度 {lengths}，K={width}，带初始状态）", rand=r,
                  looks_like=[(crossing, STATE_BOUNDARY), (ignored, STATE_IGNORED)])
+    record_case("conv-state:shorter-than-K-1-keeps-old-tail")
 
 
 @point("单步 conv 更新与完整卷积一致")
 def test_conv_update_matches_full_conv():
     m = impl(MODULE)
     r = Rand()
-    batch, channels, width, steps = r.int(1, 3), r.int(3, 10), r.int(2, 4), r.int(2, 6)
+    batch, channels, width, steps = r.int(2, 3), r.int(3, 10), r.int(2, 4), r.int(2, 6)
     weight = r.randn(channels, width, scale=0.5)
     initial = r.randn(batch, channels, width - 1)
     x = r.randn(batch, steps, channels)
@@ -173,6 +200,19 @@ def test_conv_update_matches_full_conv():
     assert_close(state, full[:, :, full.shape[-1] - (width - 1):],
                  what="causal_conv1d_update 之后的 conv_state（应原地更新为最后 K-1 个输入）", rand=r,
                  looks_like=[(initial, STATE_STALE)])
+    record_case("update:in-place-steps")
+
+    # bf16 (the engine's conv_state pool and model dtype): one step, bf16 out, the bf16 state updated in place
+    x16, w16, state16 = x[:, 0].to(BF16), weight.to(BF16), initial.to(BF16)
+    with explain_crash(BF16_CRASHES):
+        out16 = m.causal_conv1d_update(x16.clone(), state16, w16)
+    assert_dtype(out16, BF16, what="bf16 输入时 causal_conv1d_update 的输出", mistake=KEEP_DTYPE)
+    ref16 = torch.stack([_hf_conv(x16[i, None].float(), w16.float(), initial[i].to(BF16).float())[0] for i in range(batch)])
+    assert_close(out16.float(), ref16, what="bf16 输入时 causal_conv1d_update 的输出（与 fp32 计算比）", rand=r,
+                 atol=2e-2, rtol=2e-2)
+    window16 = torch.cat([initial.to(BF16), x16[..., None]], -1)
+    assert_close(state16, window16[:, :, 1:], what="bf16 的 conv_state 在单步更新之后（原地）", rand=r, atol=0, rtol=0)
+    record_case("update:bf16")
 
 
 # ---------------------------------------------------------------------------------------------- gates
@@ -193,6 +233,7 @@ def test_gates_match_hf():
     if (g > 0).any():
         raise AssertionError(f"g 出现了正数：{G_SIGN}；{r}")
     assert_close(beta, b.sigmoid(), what="beta", rand=r, looks_like=[(b, BETA_SIGMOID)])
+    record_case("gates:fp32")
 
     # bf16 model: g is computed in fp32, beta stays in the model dtype
     g16, beta16 = m.gdn_gates(a.bfloat16(), b.bfloat16(), A_log.bfloat16(), dt_bias.bfloat16())
@@ -200,6 +241,7 @@ def test_gates_match_hf():
     assert_dtype(beta16, torch.bfloat16, what="bf16 输入时的 beta")
     ref16 = -A_log.bfloat16().float().exp() * F.softplus(a.bfloat16().float() + dt_bias.bfloat16())
     assert_close(g16, ref16, what="bf16 输入时的 g（fp32 计算）", rand=r, atol=1e-5, rtol=1e-5)
+    record_case("gates:bf16")
 
 
 @point("l2norm 与 HF 一致")
@@ -215,8 +257,10 @@ def test_l2norm_matches_hf():
         assert_close(out, ref, what=f"l2norm（输入尺度 {scale:g}）", rand=r,
                      looks_like=[(x / (norm + 1e-6), L2_EPS), (x / norm.clamp_min(1e-6), L2_EPS),
                                  (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6), L2_MEAN)])
+        record_case("l2norm:tiny-vectors" if scale < 1 else "l2norm:unit-scale")
     out = m.l2norm(x.bfloat16())
     assert_dtype(out, torch.float32, what="bf16 输入时 l2norm 的输出", mistake="l2norm 要在 fp32 里算并返回 fp32")
+    record_case("l2norm:bf16-in-fp32-out")
 
 
 # ---------------------------------------------------------------------------------------------- delta rule
@@ -295,8 +339,9 @@ def _state_bf16_between_chunks(q, k, v, g, beta, state, chunk: int):
 def test_recurrent_matches_hf():
     m = impl(MODULE)
     r = Rand()
-    for dk, dv in _dims(r):
-        batch, steps, heads = r.int(1, 2), r.int(5, 12), r.int(1, 3)
+    for first, (dk, dv) in zip((True, False), _dims(r)):
+        # the first draw has several sequences and heads every run; the second keeps them random
+        batch, steps, heads = (2, r.int(5, 12), r.int(2, 3)) if first else (r.int(1, 2), r.int(5, 12), r.int(1, 3))
         q_hf, q, k, v, g, beta, state = _rule_inputs(r, batch, steps, heads, dk, dv)
         ref_o, ref_s = HF_RECURRENT(q_hf, k, v, g, beta, initial_state=state.clone(), output_final_state=True)
         o, s = m.recurrent_gated_delta_rule(q, k, v, g, beta, state.clone())
@@ -322,6 +367,10 @@ def test_recurrent_matches_hf():
         assert_close(o16.float(), ref_o16.bfloat16().float(), what=f"{what}，v 为 bf16 时的输出 o（与 HF 的 fp32 计算比）",
                      rand=r, atol=1e-6, rtol=2 ** -7)
         assert_close(s16, ref_s16, what=f"{what}，v 为 bf16 时的最终状态（应全程 fp32）", rand=r)
+        record_case("recurrent:dk<dv" if dk < dv else "recurrent:dk>dv")
+        if first:
+            record_case("recurrent:B>=2,H>=2,initial-state")
+    record_case("recurrent:bf16-v")
 
 
 @point("分块 WY 形式与 HF、与递推一致（T 非 chunk 倍数、初始状态）")
@@ -329,10 +378,13 @@ def test_chunk_matches_hf_and_recurrent():
     m = impl(MODULE)
     r = Rand()
     heads = r.int(1, 2)
-    for (steps, chunk), (dk, dv) in zip(((r.int(70, 150), 64), (r.int(9, 40), r.choice([2, 4, 8]))), _dims(r)):
-        if steps % chunk == 0:
+    # T not a multiple of the default 64 (several sequences), then T an exact multiple of a small chunk_size
+    small = r.choice([2, 4, 8])
+    cases = ((r.int(70, 150), 64, 2), (small * r.int(3, 6), small, 1))
+    for (steps, chunk, batch), (dk, dv) in zip(cases, _dims(r)):
+        if chunk == 64 and steps % chunk == 0:
             steps += 1
-        q_hf, q, k, v, g, beta, state = _rule_inputs(r, r.int(1, 2), steps, heads, dk, dv)
+        q_hf, q, k, v, g, beta, state = _rule_inputs(r, batch, steps, heads, dk, dv)
         ref_o, ref_s = HF_CHUNK(q_hf, k, v, g, beta, chunk_size=chunk, initial_state=state.clone(),
                                 output_final_state=True)
         o, s = m.chunk_gated_delta_rule(q, k, v, g, beta, state.clone(), chunk_size=chunk)
@@ -349,6 +401,7 @@ def test_chunk_matches_hf_and_recurrent():
         rec_o, rec_s = m.recurrent_gated_delta_rule(q, k, v, g, beta, state.clone())
         assert_close(o, rec_o, what=f"{what} 与 recurrent_gated_delta_rule 的输出", rand=r)
         assert_close(s, rec_s, what=f"{what} 与 recurrent_gated_delta_rule 的最终状态", rand=r)
+        record_case("chunk:T-not-multiple-of-64,B=2,initial-state" if chunk == 64 else "chunk:T-multiple-of-chunk_size")
 
     # bf16 v over many short chunks: the state crosses every boundary in fp32, o is rounded once at the end
     dk, dv = _dims(r)[r.int(0, 1)]
@@ -370,6 +423,7 @@ def test_chunk_matches_hf_and_recurrent():
                              + f"；{r}")
     assert_close(o16.float(), ref_o.bfloat16().float(), what=f"{what} 的输出 o（与 HF 的 fp32 计算舍入到 bf16 比）",
                  rand=r, atol=1e-6, rtol=2 ** -7)
+    record_case("chunk:bf16-v-state-fp32")
 
 
 @point("分块形式真的分块：块内不逐 token 循环")
@@ -383,12 +437,13 @@ def test_chunk_is_chunked():
         log = OpCount()
         with torch.no_grad(), log:
             o, s = m.chunk_gated_delta_rule(q, k, v, g, beta, state.clone(), chunk_size=size)
-        rec_o, rec_s = m.recurrent_gated_delta_rule(q, k, v, g, beta, state.clone())
-        assert_close(o, rec_o, what=f"chunk_gated_delta_rule（T={size}，chunk_size={size}）与递推形式的输出", rand=r)
+        ref_o, _ = _delta_loop(q, k, v, g, beta, state)                         # the check's own token loop
+        assert_close(o, ref_o, what=f"chunk_gated_delta_rule（T={size}，chunk_size={size}）与逐 token 递推的输出", rand=r)
         counts.append(log.count)
     if counts[1] > counts[0] + 16:
         raise AssertionError(f"chunk_gated_delta_rule 在一个块里有 4 个 token 时执行了 {counts[0]} 个 torch 算子，32 个 token 时 "
                              f"{counts[1]} 个：块数相同，算子数却随 token 数增长\n  看起来像易错点：{CHUNK_TOKEN_LOOP}；{r}")
+    record_case("chunked:ops-independent-of-tokens")
 
 
 # ---------------------------------------------------------------------------------------------- the layer
@@ -466,7 +521,7 @@ def test_layer_matches_hf():
     r = Rand()
     hf_layer, cfg = _hf_layer(r, wide_v=True)
     ours = _ours(m, hf_layer, cfg)
-    lengths = [r.int(1, 3), r.int(4, 20), r.int(60, 72)]
+    lengths = [1, r.int(4, 20), r.int(65, 72)]           # a one-token sequence and one over a 64-token chunk, every run
     r.py.shuffle(lengths)
     x, cu = _packed(r, lengths, cfg.hidden_size)
     bounds = cu.tolist()
@@ -475,6 +530,18 @@ def test_layer_matches_hf():
     ref = torch.cat([_hf_forward(hf_layer, x[s:e]) for s, e in zip(bounds[:-1], bounds[1:])])
     _assert_close_lazy(out, ref, what=f"GatedDeltaNet 输出（序列长度 {lengths}）", rand=r,
                        mistakes=lambda: _layer_mistakes(hf_layer, x, bounds))
+    record_case("layer:packed-state-None")
+
+    # state=None and every sequence exactly one token (N == B): still a prefill from zero states, not a decode
+    ones = x[:3]
+    with explain_crash({**CRASHES, "has no attribute 'conv'": ONE_TOKEN_PREFILL}), torch.no_grad():
+        out = ours(ones, torch.arange(4, dtype=torch.int32))
+    assert_close(out, torch.cat([_hf_forward(hf_layer, ones[i:i + 1]) for i in range(3)]),
+                 what="GatedDeltaNet 输出（state=None，3 条序列各 1 个 token）", rand=r)
+    record_case("layer:state-None-one-token-each")
+    record_case("layer:one-token-sequence")
+    record_case("layer:sequence-over-one-chunk")
+    record_case("layer:nv>nk>=2,dk<dv,K!=4,eps-non-default")
 
 
 @point("prefill T-1 个 token 再 decode 1 个（携带 conv 与递推状态）等于完整前向")
@@ -490,12 +557,16 @@ def test_prefill_then_decode_matches_full_forward():
     conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
     state = m.GDNState(conv=torch.zeros(batch, conv_dim, cfg.linear_conv_kernel_dim - 1),
                        ssm=torch.zeros(batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim))
-    pieces = [[xi[:c] for xi, c in zip(x, cuts)], [xi[c:-1] for xi, c in zip(x, cuts)], [xi[-1:] for xi in x]]
-    outs = []
-    with explain_crash(CRASHES), torch.no_grad():
-        for step in pieces:
-            cu = torch.tensor([0] + [p.shape[0] for p in step]).cumsum(0).to(torch.int32)
-            outs.append(ours(torch.cat(step), cu, state).split([p.shape[0] for p in step]))
+    def run(layer, xs, state, crashes):
+        pieces = [[xi[:c] for xi, c in zip(xs, cuts)], [xi[c:-1] for xi, c in zip(xs, cuts)], [xi[-1:] for xi in xs]]
+        outs = []
+        with explain_crash(crashes), torch.no_grad():
+            for step in pieces:
+                cu = torch.tensor([0] + [p.shape[0] for p in step]).cumsum(0).to(torch.int32)
+                outs.append(layer(torch.cat(step), cu, state).split([p.shape[0] for p in step]))
+        return outs
+
+    outs = run(ours, x, state, CRASHES)
     for i in range(batch):
         ref = _hf_forward(hf_layer, x[i])
         n, c = lengths[i], cuts[i]
@@ -508,6 +579,26 @@ def test_prefill_then_decode_matches_full_forward():
         hf_conv, hf_ssm = cache.layers[0].conv_states[0][0], cache.layers[0].recurrent_states[0][0]
         assert_close(state.conv[i], hf_conv[:, 1:], what=f"序列 {i} 最终的 conv_state（HF 缓存的最后 K-1 个输入）", rand=r)
         assert_close(state.ssm[i], hf_ssm, what=f"序列 {i} 最终的递推状态 [nv, dk, dv]", rand=r)
+    record_case("layer:chunked-prefill-resumes-state")
+    record_case("layer:decode-N==B")
+    record_case("layer:state-overwritten-in-place")
+    record_case("layer:dk>dv")
+
+    # the engine's dtypes: a bf16 layer, a bf16 conv_state and an fp32 recurrent state, the same three steps;
+    # against HF in fp32 on the same rounded weights and inputs (the loose tolerance covers bf16 intermediates)
+    ours16, hf_r = copy.deepcopy(ours).to(BF16), copy.deepcopy(hf_layer).to(BF16).float()
+    x16 = [xi.to(BF16) for xi in x]
+    state16 = m.GDNState(conv=torch.zeros_like(state.conv, dtype=BF16), ssm=torch.zeros_like(state.ssm))
+    outs16 = run(ours16, x16, state16, {**CRASHES, **BF16_CRASHES})
+    for i in range(batch):
+        got = torch.cat([outs16[0][i], outs16[1][i], outs16[2][i]])
+        assert_dtype(got, BF16, what=f"bf16 层（bf16 conv_state、fp32 递推状态）序列 {i} 的输出", mistake=KEEP_DTYPE)
+        assert_close(got.float(), _hf_forward(hf_r, x16[i].float()),
+                     what=f"bf16 层序列 {i}（长度 {lengths[i]}）两段 prefill + decode 的输出（与 HF 在 fp32 里、同样舍入过的权重和输入上比）",
+                     rand=r, atol=2e-2, rtol=2e-2)
+    assert_dtype(state16.ssm, torch.float32, what="bf16 层之后的递推状态 state.ssm", mistake="递推状态始终是 fp32")
+    assert_dtype(state16.conv, BF16, what="bf16 层之后的 state.conv", mistake=KEEP_DTYPE)
+    record_case("layer:bf16-module-bf16-conv-state")
 
 
 # ---------------------------------------------------------------------------------------------- the card
@@ -523,6 +614,7 @@ def test_card_worked_example():
     step = m.causal_conv1d_update(torch.tensor([[4.0]]), state, weight)
     assert_close(step[0], torch.tensor([5.9852]), what="卡片 decode 一步（x=4）的输出", atol=1e-4, rtol=0)
     assert_close(state[0, 0], torch.tensor([3.0, 4.0]), what="卡片 decode 一步之后的 conv_state", atol=1e-6, rtol=0)
+    record_case("card:conv-K=3")
 
     a = torch.tensor([[-math.log(9.0)], [0.0], [-math.log(4.0)]])
     b = torch.tensor([[0.0], [math.log(4.0)], [0.0]])
@@ -531,6 +623,7 @@ def test_card_worked_example():
                  looks_like=[(torch.tensor([1 / 0.9, 2.0, 1.25]), G_SIGN)])
     assert_close(beta[:, 0], torch.tensor([0.5, 0.8, 0.5]), what="卡片例子的 beta", atol=1e-5, rtol=0,
                  looks_like=[(b[:, 0], BETA_SIGMOID)])
+    record_case("card:gates")
 
     q = m.l2norm(torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])) * 2 ** -0.5
     assert_close(q, torch.tensor([[0.7071, 0.0], [0.0, 0.7071], [0.5, 0.5]]), what="卡片例子 l2norm(q)·dk^-0.5",
@@ -545,7 +638,9 @@ def test_card_worked_example():
                  looks_like=[(torch.tensor([[0.3182, 0.6364], [0.3915, -0.3485], [0.9495, -0.1810]]), DECAY_AFTER),
                              (torch.tensor([[0.3536, 0.7071], [0.7693, -0.7241], [1.3451, -0.4498]]), READ_BEFORE_DECAY)])
     assert_close(s[0, 0], ref_s, what="卡片例子递推形式的最终状态 S_3", atol=1e-4, rtol=0)
+    record_case("card:recurrent-initial-state-None")
     o, s = m.chunk_gated_delta_rule(*args, chunk_size=2)
     assert_close(o[0, :, 0], ref_o, what="卡片例子分块形式（chunk_size=2）的输出", atol=1e-4, rtol=0)
     assert_close(s[0, 0], ref_s, what="卡片例子分块形式（chunk_size=2）的最终状态", atol=1e-4, rtol=0,
                  looks_like=[(torch.tensor([[2.1828, -0.0744], [1.1840, -0.8320]]), CHUNK_DECAY)])
+    record_case("card:chunk-size-2-initial-state-None")

@@ -76,4 +76,32 @@ PLANTS = [
           old="skip_special_tokens=True) if self.tokenizer else None",
           new="skip_special_tokens=False) if self.tokenizer else None",
           expect="没有 skip_special_tokens=True"),
+    Plant("params_none_not_defaulted", "sampling_params 只接受了 SamplingParams（None 没有换成默认的 SamplingParams()）",
+          old="        if sampling_params is None:\n            sampling_params = SamplingParams()\n",
+          new="",
+          expect="默认的 SamplingParams()"),
+    Plant("params_dict_rejected", "sampling_params 只接受了 SamplingParams（合法的 dict 也被拒绝）",
+          old="        if isinstance(sampling_params, dict):         # SamplingParams validates: a bad value is a ValueError\n"
+              "            try:\n"
+              "                sampling_params = SamplingParams(**sampling_params)\n"
+              "            except TypeError as exc:                  # a misspelled field name\n"
+              "                raise ValueError(f\"invalid sampling params: {exc}\") from exc\n",
+          new="        if isinstance(sampling_params, dict):\n"
+              "            raise ValueError(f\"sampling_params must be a SamplingParams, got {sampling_params!r}\")\n",
+          expect="SamplingParams(**d)"),
+    Plant("params_other_type_accepted", "sampling_params 的类型没有检查（0.5 进了调度器）",
+          old="        if not isinstance(sampling_params, SamplingParams):\n"
+              "            raise ValueError(f\"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}\")\n",
+          new="",
+          expect=None),
+    Plant("requests_before_scheduler_add", "scheduler.add 抛错的请求留在了 requests 里（先登记再 add）",
+          old="        self.scheduler.add(seq)                       # raises ValueError if the KV pool can never hold it\n"
+              "        self.requests[seq.seq_id] = seq\n",
+          new="        self.requests[seq.seq_id] = seq\n"
+              "        self.scheduler.add(seq)\n",
+          expect="scheduler.add 抛 ValueError"),
+    Plant("tqdm_per_step", "进度条每步前进 1（而不是本步结束的请求数）",
+          old="            if bar is not None and done:\n                bar.update(done)\n",
+          new="            if bar is not None:\n                bar.update(1)\n",
+          expect="进度条"),
 ]
