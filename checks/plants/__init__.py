@@ -45,7 +45,7 @@ def record_catchers(module: str, found: dict[str, str]) -> None:
     """Merge `found` (plant id -> the check that caught it) into catchers.json, dropping plants that are gone."""
     table = catchers()
     known = {p.id for p in plants_for(module)}
-    table[module] = dict(sorted(({**table.get(module, {}), **found}).items()))
-    table[module] = {k: v for k, v in table[module].items() if k in known}
+    merged = {**table.get(module, {}), **found}
+    table[module] = {k: merged[k] for k in sorted(merged) if k in known}
     CATCHERS.write_text(json.dumps(dict(sorted(table.items())), indent=1, ensure_ascii=False) + "\n",
                         encoding="utf-8")
