@@ -20,11 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from selftest_cache import REFERENCE
+from selftest_cache import REFERENCE, fork_spawn
 
 from checks.kit import CASES_ENV
 from course.grader import registry
-from course.grader.forkserver import ForkServer
 from course.grader.grade import run_checks
 from course.grader.select import ROOT
 
@@ -66,24 +65,20 @@ def test_draws_cover_every_clause(path):
         pytest.skip(f"{ex.id} needs {', '.join(ex.missing_packages)}")
     data = _table(path)
     drawn: dict[int, set[tuple[str, str]]] = {}
-    # the seeds graded side by side, each forked from one server that imported torch and transformers once
-    # (tests/test_exercises.py does the same): a fresh process per seed costs ~5 s of imports on CI's two cores
-    server = ForkServer(ex.checks) if os.environ.get("COURSE_SELFTEST_FORK", "1") != "0" else None
+    # the seeds graded side by side, each forked from the run's one fork server (tests/selftest_cache.py), which
+    # imported torch and transformers once: a fresh process per seed costs ~5 s of imports on CI's two cores
+    spawn = fork_spawn()
     with tempfile.TemporaryDirectory(prefix="course-cases-") as tmp:
         def grade_seed(seed: int):
             cases = Path(tmp) / f"{seed}.tsv"
             cases.touch()
-            return cases, run_checks(ex, {"default": "solutions"}, spawn=server.spawn if server else None,
+            return cases, run_checks(ex, {"default": "solutions"}, spawn=spawn,
                                      env={**os.environ, "COURSE_SEED": str(seed), CASES_ENV: str(cases)})
-        try:
-            with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-                graded = dict(zip(SEEDS, pool.map(grade_seed, SEEDS)))
-        finally:
-            if server:
-                server.close()
+        with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+            graded = dict(zip(SEEDS, pool.map(grade_seed, SEEDS)))
         for seed, (cases, grade) in graded.items():
             assert grade.passed or all(r["status"] in ("passed", "skipped") for r in grade.results), \
-                f"{ex.id}: the reference fails on seed {seed}: {grade.crash or grade.results}"
+                f"{ex.id}: the reference fails on seed {seed}: {grade.crash or [r for r in grade.results if r['status'] != 'passed']}"
         REFERENCE[ex.id] = graded[SEEDS[0]][1]          # tests/test_exercises.py's reference grading (selftest_cache)
         for seed, (cases, grade) in graded.items():
             drawn[seed] = {tuple(line.split("\t", 1)) for line in cases.read_text(encoding="utf-8").splitlines()}

@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from selftest_cache import REFERENCE
+from selftest_cache import REFERENCE, fork_spawn
 
 from checks.plants import catchers, plants_for, record_catchers
 from course.grader import registry
-from course.grader.forkserver import ForkServer
 from course.grader.grade import run_checks
 
 import torch
@@ -54,18 +53,14 @@ def _graded(ex):
         # on a GPU every g01 grading builds models of real width on the one device (~17-21 GiB each): as many at
         # once as there are cores ran the H200 out of memory (2026-12-01, 16 cores); two fit
         workers = 2 if CUDA and ex.needs_gpu else max(1, os.cpu_count() or 1)
-        # every grading forks from one process that imported torch and transformers once (the mutation command's
-        # fork server: a fresh `python -m pytest` spends ~4-6 s of a 2-core machine on those imports alone);
-        # COURSE_SELFTEST_FORK=0 starts each grading as a fresh process instead
-        server = ForkServer(ex.checks) if os.environ.get("COURSE_SELFTEST_FORK", "1") != "0" else None
-        try:
-            with ThreadPoolExecutor(max_workers=workers) as pool:
-                futures = {key: pool.submit(run_checks, ex, sel, env=envs.get(key), stop_when=stops.get(key),
-                                            spawn=server.spawn if server else None) for key, sel in jobs.items()}
-                _GRADES[ex.id] = {key: f.result() for key, f in futures.items()} | broken | done
-        finally:
-            if server:
-                server.close()
+        # every grading forks from the run's one fork server (tests/selftest_cache.py), which imported torch,
+        # transformers and what the checks take from them once: a fresh `python -m pytest` spends ~5 s of a
+        # 2-core machine on those imports alone; COURSE_SELFTEST_FORK=0 starts each grading as a fresh process
+        spawn = fork_spawn()
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            futures = {key: pool.submit(run_checks, ex, sel, env=envs.get(key), stop_when=stops.get(key),
+                                        spawn=spawn) for key, sel in jobs.items()}
+            _GRADES[ex.id] = {key: f.result() for key, f in futures.items()} | broken | done
         if os.environ.get("COURSE_PLANT_CATCHERS_UPDATE") == "1":
             found = {key: _catcher(grade, stops[key]) for key, grade in _GRADES[ex.id].items() if key in stops}
             record_catchers(ex.module, {key: name for key, name in found.items() if name})

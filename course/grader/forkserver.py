@@ -1,13 +1,15 @@
-"""A fork server for grading many files of one exercise in a row (`./check.sh mutants`).
+"""A fork server for grading many files in a row (`./check.sh mutants`, the selftest's plants and contract seeds).
 
-Every grading normally starts a fresh `python -m pytest`, and importing torch and transformers is most of its
-cost (~4-6 s on a 2-core machine, more than the checks that kill a mutant). The server imports them once; for
+Every grading normally starts a fresh `python -m pytest`, and importing torch and transformers (with the model
+classes the checks take from it) is most of its cost (~5 s on a 2-core machine, more than the checks that kill a
+mutant; measured 2026-12-06: a grading that runs no check took 5.3 s forked from a server that had imported the
+top-level packages only, 0.4 s once the imported names were looked up too). The server imports them once; for
 each grading it forks a child that becomes exactly the process `run_checks` would have started: its own session
 (so `_kill_group` ends it and whatever it starts), the grading's working directory, environment and log file,
 then `pytest.main` with the same arguments. Nothing of the exercise, the checks or `impl` is imported before the
 fork, so each child loads the graded file and the checks afresh.
 
-    server = ForkServer(check_file)        # starts `python -m course.grader.forkserver SOCKET CHECK_FILE`
+    server = ForkServer(check_file, ...)   # starts `python -m course.grader.forkserver SOCKET CHECK_FILE ...`
     run_checks(ex, selection, spawn=server.spawn)
     server.close()
 """
@@ -15,6 +17,8 @@ fork, so each child loads the graded file and the checks afresh.
 from __future__ import annotations
 
 import ast
+import gc
+import importlib
 import json
 import os
 import select as _select
@@ -33,10 +37,10 @@ _IMPORT_ENV = {"OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error", "TOKEN
 class ForkServer:
     """The client side: starts the server and hands `run_checks` a `spawn` that forks from it."""
 
-    def __init__(self, check_file: Path):
+    def __init__(self, *check_files: Path):
         self._dir = tempfile.TemporaryDirectory(prefix="course-forkserver-")
         self.path = str(Path(self._dir.name) / "sock")
-        self.proc = subprocess.Popen([sys.executable, "-m", "course.grader.forkserver", self.path, str(check_file)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "course.grader.forkserver", self.path, *map(str, check_files)],
                                      env={**os.environ, **_IMPORT_ENV}, stdin=subprocess.DEVNULL,
                                      start_new_session=True)
         deadline = time.monotonic() + 120
@@ -92,19 +96,52 @@ class _Forked:
         return self.returncode
 
 
-def _preload(check_file: Path) -> None:
-    """Import what every check process imports first: torch, pytest and the check file's third-party imports."""
+def _third_party_imports(check_files: list[Path]) -> list[tuple[str, list[str]]]:
+    """(module, names imported from it) for every third-party import, anywhere in a function or at the top, of the
+    check files, the course's own modules they reach (checks.*, course.*) and the reference solutions: read from
+    their source (ast), none of the course's own modules imported."""
+    root = check_files[0].resolve().parent.parent
+    files, seen, found = [*(f.resolve() for f in check_files), *sorted((root / "solutions").glob("*.py"))], set(), []
+    while files:
+        path = files.pop()
+        if path in seen or not path.exists():
+            continue
+        seen.add(path)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                pairs = [(a.name, []) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                pairs = [(node.module, [a.name for a in node.names if a.name != "*"])]
+            else:
+                continue
+            for module, names in pairs:
+                top = module.split(".")[0]
+                if top in ("checks", "course"):
+                    base = root.joinpath(*module.split("."))
+                    files += [base.with_suffix(".py"), base / "__init__.py",
+                              *(base / f"{n}.py" for n in names)]
+                elif top not in ("impl", "solutions", "mine"):
+                    found.append((module, names))
+    return found
+
+
+def _preload(check_files: list[Path]) -> None:
+    """Import what every check process imports: torch, pytest and the third-party modules that the check files, the
+    course modules they use and the reference solutions import (transformers loads its model classes lazily, on the
+    first attribute access: a `from transformers import Qwen3Config` costs ~4 s of a 2-core machine, so the
+    imported names are looked up too). An import that fails here fails again, with its message, in the child."""
     import torch
     if not torch.cuda.is_available():          # checks/conftest.py does the same before triton is imported
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import numpy  # noqa: F401
     import pytest  # noqa: F401
-    for node in ast.parse(check_file.read_text(encoding="utf-8")).body:
-        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                 else [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
-        for name in names:
-            if name.split(".")[0] not in ("checks", "course", "impl"):
-                __import__(name)
+    for module, names in _third_party_imports(check_files):
+        try:
+            mod = importlib.import_module(module)
+            for name in names:
+                getattr(mod, name, None)
+        except Exception:              # a package this machine lacks (the check reports it), or a broken one
+            pass
 
 
 def _child(conn: socket.socket, fd: int, request: dict) -> None:
@@ -132,8 +169,10 @@ def _child(conn: socket.socket, fd: int, request: dict) -> None:
         os._exit(3)
 
 
-def serve(path: str, check_file: Path) -> None:
-    _preload(check_file)
+def serve(path: str, check_files: list[Path]) -> None:
+    _preload(check_files)
+    gc.freeze()        # what is imported now is shared by every child: their collections skip it (pytest's
+    #                    unconfigure collects twice, ~0.5 s over a heap that holds torch and transformers)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
     listener.listen(64)
@@ -168,4 +207,4 @@ def serve(path: str, check_file: Path) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], Path(sys.argv[2]))
+    serve(sys.argv[1], [Path(a) for a in sys.argv[2:]])
